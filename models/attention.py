@@ -1,0 +1,58 @@
+"""Causal attention inside packed documents, on any device.
+
+Convention (shared with torchtitan's data pipeline): `positions` (B, L) restarts at 0
+where a new document starts; a token attends to itself and earlier tokens of its own
+document only. `positions=None` means one document per row (plain causal).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """(B, L) positions -> (B, L) document index within the row (0, 1, ...)."""
+    return torch.cumsum(positions == 0, dim=1) - 1
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) document ids -> (B, 1, L, L) bool, True where query i may attend key j."""
+    length = doc_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
+def _flex_document_attention(q, k, v, doc_ids, scale, enable_gqa):
+    """Flex-attention path (GPU): the same mask as `document_causal_mask`, block-sparse."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    batch, _, length, _ = q.shape
+    block_mask = create_block_mask(mask_mod, batch, None, length, length, device=q.device)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def document_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q (B, Hq, L, D), k/v (B, Hkv, L, D) with Hq a multiple of Hkv -> (B, Hq, L, D).
+
+    CUDA with document boundaries: flex attention; otherwise SDPA (is_causal for one
+    document per row, an explicit (B, 1, L, L) mask when rows hold several).
+    """
+    enable_gqa = q.shape[1] != k.shape[1]
+    if positions is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    doc_ids = document_ids(positions)
+    if q.is_cuda:
+        return _flex_document_attention(q, k, v, doc_ids, scale, enable_gqa)
+    mask = document_causal_mask(doc_ids)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Train with torchtitan's Trainer through torchrun, on one node or many.
+#
+#   bash scripts/train.sh --module train_configs.<family> --config <function> [--section.key value ...]
+#   bash scripts/train.sh --list                      # the config catalogue
+#
+# Environment (defaults in brackets):
+#   NPROC_PER_NODE  processes per node [number of GPUs, or 1 without GPUs]
+#   NNODES          nodes [1]; with NNODES>1 set MASTER_ADDR (and MASTER_PORT [29500]),
+#                   NODE_RANK is not needed (c10d rendezvous assigns ranks)
+#   RDZV_ID         rendezvous id shared by all nodes of one job [mnlm]
+#   LOG_DIR         per-rank stdout/stderr logs [outputs/logs/<date-time>-<pid>]
+#   WANDB_MODE      [offline unless WANDB_API_KEY is set]
+#   SKIP_SETUP=1    skip `scripts/setup.sh` (e.g. on cluster nodes sharing one checkout)
+# Without an accelerator the run uses gloo and the CPU support in torchtitan_ext/cpu.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
+PY=.venv/bin/python
+
+if [ "${1:-}" = "--list" ]; then exec "$PY" -m torchtitan_ext.catalogue; fi
+
+# Bad input ends here with one line and exit code 2, before torchrun starts.
+"$PY" -m torchtitan_ext.preflight "$@"
+
+if [ -z "${WANDB_MODE:-}" ] && [ -z "${WANDB_API_KEY:-}" ]; then export WANDB_MODE=offline; fi
+export WANDB_DIR=${WANDB_DIR:-outputs}
+mkdir -p "$WANDB_DIR"
+
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NPROC_PER_NODE=$(command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+  [ "$NPROC_PER_NODE" -gt 0 ] || NPROC_PER_NODE=1
+fi
+NNODES=${NNODES:-1}
+LOG_DIR=${LOG_DIR:-outputs/logs/$(date +%Y%m%d-%H%M%S)-$$}
+mkdir -p "$LOG_DIR"
+
+if [ "$NNODES" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+  rdzv=(--standalone)
+else
+  rdzv=(--rdzv_backend c10d --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR for multi-node}:${MASTER_PORT:-29500}"
+        --rdzv_id "${RDZV_ID:-mnlm}")
+fi
+echo "train: $NNODES node(s) x $NPROC_PER_NODE process(es); per-rank logs in $LOG_DIR" >&2
+exec .venv/bin/torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
+  --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter 0 \
+  -m torchtitan_ext.train "$@"

@@ -1,0 +1,157 @@
+"""Run torchtitan 0.3.0's own Trainer on a machine without an accelerator.
+
+`apply()` is called by the launcher before `torchtitan.trainer` is imported. It
+does nothing when an accelerator is present. Each patch below names the
+failure it fixes; version workarounds are gated on the capability they need,
+so they switch themselves off on a torch/torchtitan pairing that no longer
+needs them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import resource
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+
+def has_accelerator() -> bool:
+    return torch.accelerator.is_available()
+
+
+class CpuDeviceModule:
+    """Stand-in for `torch.cuda` in torchtitan's trainer, memory monitor and profiler.
+
+    Peak memory is the process's peak RSS (`ru_maxrss`); it cannot be reset, so
+    `reset_peak_memory_stats` is a no-op and the figure is the peak since start.
+    """
+
+    memory = SimpleNamespace(
+        _record_memory_history=lambda *a, **k: None,
+        _dump_snapshot=lambda *a, **k: None,
+    )
+
+    @staticmethod
+    def set_device(device) -> None:
+        pass
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        pass
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+    @staticmethod
+    def get_device_properties(device=None):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return SimpleNamespace(total_memory=total, name=CpuDeviceModule.get_device_name())
+
+    @staticmethod
+    def memory_stats(device=None) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+
+@functools.cache
+def measured_matmul_flops(n: int = 2048, repeats: int = 3) -> float:
+    """fp32 FLOP/s of an n x n matmul on this machine (best of `repeats`)."""
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _patch_device_detection() -> None:
+    # Fixes: `device_module.set_device` on "cuda" at Trainer start, because
+    # torchtitan.tools.utils.get_device_info() falls back to "cuda" when no
+    # accelerator is found. About ten torchtitan modules copy `device_type` /
+    # `device_module` at import time, so already-imported ones are patched too.
+    import torchtitan.tools.utils as tt_utils
+
+    original_module = tt_utils.device_module
+    tt_utils.device_type = "cpu"
+    tt_utils.device_module = CpuDeviceModule
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torchtitan") or module is None:
+            continue
+        if getattr(module, "device_module", None) is original_module:
+            module.device_module = CpuDeviceModule
+        if getattr(module, "device_type", None) == "cuda":
+            module.device_type = "cpu"
+    # MFU on CPU: torchtitan looks peak FLOP/s up by GPU name and falls back to
+    # an A100's. Use this machine's measured fp32 matmul FLOP/s instead.
+    tt_utils.get_peak_flops = lambda device_name: measured_matmul_flops()
+
+
+def _patch_gloo_gradient_reduction() -> None:
+    # Fixes: "Cannot use ReduceOp.PREMUL_SUM with Gloo" with 2+ ranks. torchtitan
+    # sets FSDP2's gradient divide factor to 1.0, which makes FSDP2 reduce with
+    # PREMUL_SUM (and AVG when no factor is set); gloo has neither. FSDP2's own
+    # "force sum" mode reduces with SUM and divides afterwards: same result.
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    original = collectives._get_gradient_divide_factors
+
+    @functools.wraps(original)
+    def sum_then_divide(rs_group, ar_group, reduce_dtype, device_type="", factor=None, _=False):
+        return original(rs_group, ar_group, reduce_dtype, device_type, factor, True)
+
+    collectives._get_gradient_divide_factors = sum_then_divide
+
+
+def patch_distributed_set_timeout() -> None:
+    """torch 2.13 lacks `torch.distributed.set_timeout`, which torchtitan 0.3.0
+    calls after the first step; alias the private helper it was made from.
+    Not CPU-specific, so the launcher applies it on every device."""
+    import torch.distributed as dist
+
+    if not hasattr(dist, "set_timeout"):
+        from torch.distributed import distributed_c10d
+
+        dist.set_timeout = distributed_c10d._set_pg_timeout
+
+
+def apply() -> bool:
+    """Apply the CPU support if there is no accelerator. Returns whether it applied."""
+    if has_accelerator():
+        return False
+    _patch_device_detection()
+    _patch_gloo_gradient_reduction()
+    return True

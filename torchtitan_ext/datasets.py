@@ -1,0 +1,108 @@
+"""The project's datasets, registered into torchtitan's own text pipeline.
+
+torchtitan's `HuggingFaceTextDataset` already does what pretraining needs and is
+reused as is: BOS/EOS around each document, per-document positions (attention
+never crosses a document boundary), DP-rank sharding with `split_dataset_by_node`,
+and iterator state saved in checkpoints. This module only adds sources:
+
+| name | source |
+| --- | --- |
+| `embedded` | the corpus that ships with CPython (`embedded_corpus.py`); no network |
+| `fineweb_edu` | `HuggingFaceFW/fineweb-edu`, streamed; `dataset_path` may be `repo:subset` (default subset `sample-10BT`) or a local folder/file of parquet shards with its schema |
+| `local` | `dataset_path` = a .txt/.jsonl/.json/.parquet file or a folder of them; a `text` column (one .txt file = one document) |
+
+Each has a `<name>_validation` twin. The held-out split is by content: a document is
+held out when `crc32(text) % 1000 < HELDOUT_PER_MILLE[name]`, so train and
+validation never share a document, on any number of ranks, streaming or not.
+"""
+
+from __future__ import annotations
+
+import zlib
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets.text_datasets import DATASETS
+
+from torchtitan_ext.embedded_corpus import embedded_documents
+from torchtitan_ext.errors import UserError
+
+FINEWEB_EDU_REPO = "HuggingFaceFW/fineweb-edu"
+FINEWEB_EDU_DEFAULT_SUBSET = "sample-10BT"
+HELDOUT_PER_MILLE = {"embedded": 50, "fineweb_edu": 5, "local": 10}
+LOCAL_FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def is_heldout(text: str, per_mille: int) -> bool:
+    return zlib.crc32(text.encode("utf-8")) % 1000 < per_mille
+
+
+def _split(ds, per_mille: int, validation: bool):
+    return ds.filter(lambda sample: is_heldout(sample["text"], per_mille) == validation)
+
+
+def _local_files(path: Path) -> tuple[str, list[str]]:
+    """(datasets builder name, files) for a local file or folder; UserError if unusable."""
+    if not path.exists():
+        raise UserError(f"dataset path '{path}' does not exist: pass --dataloader.dataset_path <existing file or folder>")
+    files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FORMATS) if path.is_dir() else [path]
+    kinds = {LOCAL_FORMATS.get(p.suffix) for p in files}
+    if not files or None in kinds or len(kinds) != 1:
+        raise UserError(
+            f"dataset path '{path}' must be one .txt/.jsonl/.json/.parquet file or a folder of one kind of them"
+        )
+    return kinds.pop(), [str(p) for p in files]
+
+
+def load_local(path: str, validation: bool = False, per_mille: int = HELDOUT_PER_MILLE["local"]):
+    from datasets import load_dataset
+
+    builder, files = _local_files(Path(path))
+    extra = {"sample_by": "document"} if builder == "text" else {}
+    ds = load_dataset(builder, data_files=files, split="train", **extra)
+    if "text" not in ds.column_names:
+        raise UserError(f"dataset '{path}' has no 'text' column (columns: {ds.column_names})")
+    return _split(ds, per_mille, validation)
+
+
+def load_fineweb_edu(path: str, validation: bool = False):
+    """FineWeb-Edu: a local copy (parquet, same schema) or the hub repo, streamed."""
+    from datasets import load_dataset
+
+    per_mille = HELDOUT_PER_MILLE["fineweb_edu"]
+    if Path(path).exists():
+        return load_local(path, validation, per_mille)
+    repo, _, subset = path.partition(":")
+    ds = load_dataset(repo, name=subset or FINEWEB_EDU_DEFAULT_SUBSET, split="train", streaming=True)
+    return _split(ds, per_mille, validation)
+
+
+def load_embedded(path: str, validation: bool = False):
+    from datasets import Dataset
+
+    per_mille = HELDOUT_PER_MILLE["embedded"]
+    docs = [d for d in embedded_documents() if is_heldout(d, per_mille) == validation]
+    return Dataset.from_dict({"text": docs})
+
+
+def _text(sample: dict[str, Any]) -> str:
+    return sample["text"]
+
+
+def register() -> None:
+    """Add the project's datasets to torchtitan's registry (idempotent)."""
+    sources = {
+        "embedded": ("embedded", load_embedded),
+        "fineweb_edu": (FINEWEB_EDU_REPO, load_fineweb_edu),
+        "local": ("", load_local),
+    }
+    for name, (default_path, loader) in sources.items():
+        for suffix, validation in (("", False), ("_validation", True)):
+            DATASETS[name + suffix] = DatasetConfig(
+                path=default_path, loader=partial(loader, validation=validation), sample_processor=_text
+            )
+
+
+register()

@@ -1,0 +1,76 @@
+"""Plug a plain-`nn.Module` decoder from `models/` into torchtitan's Trainer.
+
+The pattern every project model follows (torchtitan's transformers backend does the
+same for Hugging Face models):
+- the torchtitan model class inherits from `BaseModel` and the plain model, so
+  checkpoint keys are exactly the plain model's (no wrapper prefix);
+- `verify_module_protocol` is a no-op (the submodules are plain `nn.Module`s);
+- `init_states` re-runs the plain model's `reset_parameters` (weights are
+  re-materialised after FSDP wrapping, so tying is redone there);
+- parallelism reuses torchtitan's own AC, per-block compile and FSDP2 helpers, which
+  need only `tok_embeddings`, `layers`, `norm`, `lm_head`, `enable_weight_tying`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchtitan.models.llama3 import parallelize_llama
+from torchtitan.models.utils import get_dense_model_nparams_and_flops
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from torchtitan_ext.errors import UserError
+
+
+class PlainModelMixin:
+    """Methods shared by torchtitan wrappers of plain models (mixed in before BaseModel)."""
+
+    def verify_module_protocol(self) -> None:
+        pass
+
+    def init_states(self, *, buffer_device: torch.device | None = None) -> None:
+        self.reset_parameters()
+
+
+def dense_nparams_and_flops(model, n_layers: int, n_heads: int, head_dim: int, seq_len: int, tied: bool):
+    """torchtitan's dense-decoder estimate (6N + attention term per token)."""
+    return get_dense_model_nparams_and_flops(model, n_layers, n_heads, 2 * head_dim, seq_len, tied)
+
+
+def parallelize_plain_decoder(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+    """AC -> per-block compile -> FSDP2 (data parallel over any number of ranks/nodes)."""
+    unsupported = [
+        name for name, on in (
+            ("tensor parallel", parallel_dims.tp_enabled),
+            ("context parallel", parallel_dims.cp_enabled),
+            ("pipeline parallel", parallel_dims.pp_enabled),
+        ) if on
+    ]
+    if unsupported:
+        raise UserError(f"{', '.join(unsupported)} is not supported for this model: use data parallelism (FSDP2) only")
+    if parallelism.spmd_backend != "partial_dtensor":
+        raise UserError(
+            f"parallelism.spmd_backend '{parallelism.spmd_backend}' needs torchtitan's own modules: "
+            "pass --parallelism.spmd_backend partial_dtensor"
+        )
+    return parallelize_llama(
+        model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+        compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder,
+    )
+
+
+class IdentityStateDictAdapter(StateDictAdapter):
+    """HF keys = the plain model's keys (the HF export ships the same `models/` code).
+    A tied `lm_head.weight` is dropped on export (safetensors refuses shared tensors)
+    and re-linked on import."""
+
+    def _tied(self) -> bool:
+        return bool(getattr(self.model_config.model, "tie_embeddings", False))
+
+    def to_hf(self, state_dict):
+        return {k: v for k, v in state_dict.items() if not (self._tied() and k == "lm_head.weight")}
+
+    def from_hf(self, hf_state_dict):
+        state = dict(hf_state_dict)
+        if self._tied():
+            state["lm_head.weight"] = state["tok_embeddings.weight"]
+        return state

@@ -1,0 +1,95 @@
+"""Check a parsed Trainer config before any work, turning bad input into one-line UserErrors."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from torchtitan_ext.errors import UserError
+
+
+def parse(argv: list[str]):
+    """Parse `--module/--config` and overrides with torchtitan's ConfigManager."""
+    from torchtitan.config import ConfigManager
+
+    try:
+        return ConfigManager().parse_args(list(argv))
+    except (ImportError, ValueError) as e:
+        raise UserError(f"{e} (run `bash scripts/train.sh --list` for the config catalogue)") from None
+
+
+def check_seq_len(config) -> None:
+    model = config.model_spec.model
+    seq_len = config.training.seq_len
+    if seq_len > model.max_seq_len:
+        raise UserError(
+            f"training.seq_len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}: "
+            f"pass --training.seq_len {model.max_seq_len} or less"
+        )
+
+
+def check_dump_folder(folder: str) -> None:
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UserError(f"dump folder '{folder}' is not writable ({e.strerror}): pass --dump_folder <writable folder>") from None
+
+
+def check_dataset(dataloader_config, flag: str) -> None:
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    import torchtitan_ext.datasets as datasets
+
+    name = dataloader_config.dataset.lower()
+    if name not in DATASETS:
+        raise UserError(f"unknown dataset '{name}': pass --{flag}.dataset one of {sorted(DATASETS)}")
+    path = dataloader_config.dataset_path or DATASETS[name].path
+    if name.startswith("local"):
+        if not path:
+            raise UserError(f"dataset '{name}' needs a path: pass --{flag}.dataset_path <file or folder>")
+        datasets._local_files(Path(path))
+    elif name.startswith("fineweb_edu") and path.startswith(("/", ".", "~")) and not os.path.exists(path):
+        raise UserError(f"dataset path '{path}' does not exist: pass --{flag}.dataset_path <existing folder of parquet shards>")
+
+
+def check_tokenizer(config) -> None:
+    from torchtitan_ext.tokenizer import AssetsTokenizer
+
+    tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=config.hf_assets_path)
+    vocab = config.model_spec.model.vocab_size
+    if tokenizer.get_vocab_size() > vocab:
+        raise UserError(
+            f"tokenizer in '{config.hf_assets_path}' has {tokenizer.get_vocab_size()} tokens but the model's "
+            f"vocabulary is {vocab}: use a matching --hf_assets_path or flavor"
+        )
+
+
+def check(config) -> None:
+    check_seq_len(config)
+    check_dump_folder(config.dump_folder)
+    check_dataset(config.dataloader, "dataloader")
+    if config.validator.enable:
+        check_dataset(config.validator.dataloader, "validator.dataloader")
+    check_tokenizer(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m torchtitan_ext.preflight <train args>`: exit 0 if the config is usable, else
+    print one line and exit 2. The launcher runs it before torchrun."""
+    import sys
+
+    from torchtitan_ext import cpu
+
+    cpu.apply()
+    try:
+        check(parse(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Training entry point: `python -m torchtitan_ext.train --module M --config F [--section.key value ...]`.
+
+Runs torchtitan 0.3.0's own `torchtitan.train.main` after
+1. the CPU support (only without an accelerator) and the torch 2.13 `set_timeout` alias,
+2. a preflight check of the parsed config (`preflight.py`), so that bad input ends
+   with one line naming the problem and the fix, and exit code 2, before any work.
+A non-finite loss stops training with exit code 3; checkpoints already written stay
+valid (torchtitan saves after a completed step, and a DCP step folder without its
+`.metadata` is never loaded).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torchtitan_ext import cpu
+from torchtitan_ext.errors import UserError
+
+EXIT_USER_ERROR = 2
+EXIT_NON_FINITE_LOSS = 3
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _fail(message: str, code: int) -> None:
+    if _rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    cpu.patch_distributed_set_timeout()
+    cpu.apply()
+    from torchtitan_ext import preflight
+
+    try:
+        preflight.check(preflight.parse(argv))
+    except UserError as e:
+        _fail(str(e), EXIT_USER_ERROR)
+
+    import torchtitan.train
+
+    sys.argv = [sys.argv[0], *argv]
+    try:
+        torchtitan.train.main()
+    except UserError as e:
+        _fail(str(e), EXIT_USER_ERROR)
+    except RuntimeError as e:
+        if "Loss is not finite" not in str(e):
+            raise
+        _fail(f"{e} Checkpoints written before this step are intact; lower --optimizer.lr or "
+              "check the data, then resume.", EXIT_NON_FINITE_LOSS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Transformer++ (Llama: RMSNorm, SwiGLU, RoPE, GQA) = torchtitan's own llama3 model.
+
+Only the flavors are ours: `debug` for CPU, and `400m` / `800m` / `1b2` sized to the
+Mela paper's baselines (Table 1 totals, Llama-2 32K vocabulary, untied embeddings).
+Shapes chosen (parameter counts from `scripts/param_counts.py`, checked by tests):
+
+| flavor | dim | layers | heads / kv heads | ffn hidden | params |
+| --- | --- | --- | --- | --- | --- |
+| debug | 256 | 4 | 4 / 2 | 768 | 5.2M (4096 vocab) |
+| 400m | 1024 | 24 | 16 / 8 | 3520 | 400.6M |
+| 800m | 1536 | 27 | 16 / 8 | 4096 | 799.0M |
+| 1b2 | 2048 | 22 | 16 / 8 | 5888 | 1203.8M |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.llama3 import (
+    _build_llama3_layers,
+    _EMBEDDING_INIT,
+    _NORM_INIT,
+    _output_linear_init,
+    Llama3Model,
+    parallelize_llama,
+)
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.protocols.model_spec import ModelSpec
+
+from torchtitan_ext.attention import use_cpu_attention
+from torchtitan_ext.cpu import has_accelerator
+
+
+@dataclass(frozen=True)
+class Shape:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int = 32000
+    max_seq_len: int = 131072
+
+
+FLAVORS = {
+    "debug": Shape(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, vocab_size=4096),
+    "400m": Shape(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
+    "800m": Shape(dim=1536, n_layers=27, n_heads=16, n_kv_heads=8, ffn_hidden=4096),
+    "1b2": Shape(dim=2048, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=5888),
+}
+
+
+def model_config(flavor: str, attn_backend: str = "auto") -> Llama3Model.Config:
+    """torchtitan Llama3Model config for a flavor. attn_backend "auto" = flex on an
+    accelerator, the CPU document-causal SDPA otherwise; or any torchtitan backend name."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown Transformer++ flavor '{flavor}': choose one of {sorted(FLAVORS)}")
+    s = FLAVORS[flavor]
+    on_cpu = attn_backend == "auto" and not has_accelerator()
+    config = Llama3Model.Config(
+        dim=s.dim,
+        vocab_size=s.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=s.vocab_size, embedding_dim=s.dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=s.dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=s.dim, out_features=s.vocab_size, param_init=_output_linear_init(s.dim)),
+        layers=_build_llama3_layers(
+            n_layers=s.n_layers,
+            dim=s.dim,
+            n_heads=s.n_heads,
+            n_kv_heads=s.n_kv_heads,
+            hidden_dim=s.ffn_hidden,
+            rope=ComplexRoPE.Config(dim=s.dim // s.n_heads, max_seq_len=s.max_seq_len, theta=500000, scaling="none"),
+            attn_backend="flex" if attn_backend == "auto" else attn_backend,
+        ),
+    )
+    if on_cpu:
+        use_cpu_attention(config)
+    return config
+
+
+def model_spec(flavor: str, attn_backend: str = "auto") -> ModelSpec:
+    return ModelSpec(
+        name="transformer",
+        flavor=flavor,
+        model=model_config(flavor, attn_backend),
+        parallelize_fn=parallelize_llama,
+        pipelining_fn=pipeline_llm,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=Llama3StateDictAdapter,
+    )

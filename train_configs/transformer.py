@@ -1,0 +1,23 @@
+"""Transformer++ (torchtitan's llama3) configs: `--module train_configs.transformer`."""
+
+from torchtitan.trainer import Trainer
+
+from torchtitan_ext.transformer import model_spec
+from train_configs.recipe import debug_recipe, paper_recipe
+
+
+def transformer_debug() -> Trainer.Config:
+    """5.2M parameters, embedded corpus, CPU, a few minutes."""
+    return debug_recipe(model_spec("debug"), name="transformer_debug")
+
+
+def transformer_400m() -> Trainer.Config:
+    return paper_recipe(model_spec("400m"), name="transformer_400m", lr=1e-3)
+
+
+def transformer_800m() -> Trainer.Config:
+    return paper_recipe(model_spec("800m"), name="transformer_800m", lr=1e-3)
+
+
+def transformer_1b2() -> Trainer.Config:
+    return paper_recipe(model_spec("1b2"), name="transformer_1b2", lr=8e-4)
