@@ -10,6 +10,7 @@ Flavors (the paper says only "0.6B"; these shapes are ours):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from torchtitan.protocols import BaseModel
@@ -60,7 +61,7 @@ def model_spec(flavor: str) -> ModelSpec:
     return ModelSpec(
         name="mlp_lm",
         flavor=flavor,
-        model=TorchtitanMLPLM.Config(model=FLAVORS[flavor]),
+        model=TorchtitanMLPLM.Config(model=dataclasses.replace(FLAVORS[flavor])),  # a copy: callers may edit it
         parallelize_fn=parallelize_plain_decoder,
         pipelining_fn=None,
         post_optimizer_build_fn=None,

@@ -79,10 +79,12 @@ def check(config) -> None:
 def main(argv: list[str] | None = None) -> None:
     """`python -m torchtitan_ext.preflight <train args>`: exit 0 if the config is usable, else
     print one line and exit 2. The launcher runs it before torchrun."""
+    import logging
     import sys
 
     from torchtitan_ext import cpu
 
+    logging.disable(logging.WARNING)  # the check speaks in one line; torchtitan's config warnings wait for the run
     cpu.apply()
     try:
         check(parse(sys.argv[1:] if argv is None else argv))

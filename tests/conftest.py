@@ -1,0 +1,47 @@
+"""Shared test helpers: the offline tokenizer, and launching training through scripts/train.sh."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from build_tokenizer import build  # noqa: E402
+
+from torchtitan_ext.paths import default_tokenizer_dir  # noqa: E402
+
+LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf)")
+QUIET = ["--metrics.no-enable-wandb", "--metrics.log_freq", "1", "--metrics.disable_color_printing"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    build(default_tokenizer_dir(), 4096)
+    return default_tokenizer_dir()
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess):
+        self.returncode = proc.returncode
+        self.output = proc.stdout + proc.stderr
+        self.losses = {int(s): float(v) for s, v in LOSS_LINE.findall(self.output)}
+
+    def __repr__(self) -> str:
+        return f"Run(rc={self.returncode}, tail={self.output[-3000:]!r})"
+
+
+def train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None) -> Run:
+    """Run `bash scripts/train.sh ARGS` (CPU, SKIP_SETUP) and collect its logged losses."""
+    full_env = {**os.environ, "SKIP_SETUP": "1", "NPROC_PER_NODE": str(nproc), "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "train.sh"), *args, *QUIET],
+        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+    return Run(proc)

@@ -1,0 +1,66 @@
+"""Bad input ends with one line naming the problem and the fix, and a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import REPO, train
+from torchtitan_ext import preflight
+from torchtitan_ext.errors import UserError
+
+DEBUG = ["--module", "train_configs.transformer", "--config", "transformer_debug"]
+
+
+def check(args):
+    preflight.check(preflight.parse(args))
+
+
+def test_valid_debug_config_passes(tokenizer_dir, tmp_path):
+    check(DEBUG + ["--dump_folder", str(tmp_path)])
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--module", "train_configs.nope", "--config", "x"], "Cannot import module 'train_configs.nope'"),
+    (["--module", "train_configs.transformer", "--config", "transformer_9b"], "transformer_debug"),
+    (DEBUG + ["--training.seq_len", "200000"], "--training.seq_len 131072 or less"),
+    (DEBUG + ["--dataloader.dataset", "c5"], "unknown dataset 'c5'"),
+    (DEBUG + ["--dataloader.dataset", "local"], "needs a path"),
+    (DEBUG + ["--dataloader.dataset", "local", "--dataloader.dataset_path", "/no/such/data"], "does not exist"),
+    (DEBUG + ["--dataloader.dataset", "fineweb_edu", "--dataloader.dataset_path", "./no/such"], "does not exist"),
+    (DEBUG + ["--hf_assets_path", "/no/such/tokenizer"], "build_tokenizer.py"),
+])
+def test_bad_input_is_one_clear_error(tokenizer_dir, tmp_path, args, expected):
+    with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        check(args + ([] if "--dump_folder" in args else ["--dump_folder", str(tmp_path)]))
+
+
+def test_unwritable_dump_folder(tokenizer_dir, tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="--dump_folder <writable folder>"):
+        check(DEBUG + ["--dump_folder", str(tmp_path / "file" / "out")])
+
+
+def test_mlp_lm_seq_len_beyond_its_context(tokenizer_dir, tmp_path):
+    with pytest.raises(UserError, match="max_seq_len 4096"):
+        check(["--module", "train_configs.mlp_lm", "--config", "mlp_lm_debug", "--training.seq_len", "8192",
+               "--dump_folder", str(tmp_path)])
+
+
+def test_tokenizer_larger_than_model_vocabulary(tokenizer_dir, tmp_path):
+    subprocess.run([f"{REPO}/.venv/bin/python", f"{REPO}/scripts/build_tokenizer.py", "--out", str(tmp_path / "tok"),
+                    "--vocab-size", "5000"], check=True, capture_output=True)
+    with pytest.raises(UserError, match="5000 tokens but the model's vocabulary is 4096"):
+        check(DEBUG + ["--hf_assets_path", str(tmp_path / "tok"), "--dump_folder", str(tmp_path)])
+
+
+def test_launcher_exits_2_with_one_line_and_leaves_checkpoints_alone(tokenizer_dir, tmp_path):
+    step = tmp_path / "checkpoint" / "step-10"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"last good")
+    run = train(DEBUG + ["--dump_folder", str(tmp_path), "--training.seq_len", "999999"])
+    assert run.returncode == 2
+    errors = [line for line in run.output.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: training.seq_len 999999"), run
+    assert (step / ".metadata").read_bytes() == b"last good"
