@@ -39,9 +39,9 @@ class Run:
 
 def train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None) -> Run:
     """Run `bash scripts/train.sh ARGS` (CPU, SKIP_SETUP) and collect its logged losses."""
-    full_env = {**os.environ, "SKIP_SETUP": "1", "NPROC_PER_NODE": str(nproc), "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "SKIP_SETUP": "1", "NPROC_PER_NODE": str(nproc), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **(env or {})}
     proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "train.sh"), *args, *QUIET],
+        ["bash", str(REPO / "scripts" / "train.sh"), *QUIET, *args],  # a tyro subcommand may end ARGS
         cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
     )
     return Run(proc)

@@ -1,0 +1,77 @@
+"""End-to-end training through scripts/train.sh (torchrun, gloo, CPU). Slow: about 6 minutes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from conftest import train
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = {
+    "transformer": ["--module", "train_configs.transformer", "--config", "transformer_debug"],
+    "mlp_lm": ["--module", "train_configs.mlp_lm", "--config", "mlp_lm_debug"],
+}
+SHORT = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0"]
+
+
+def seeded_folder(family: str, folder) -> None:
+    """A dump folder holding an unsharded seed checkpoint (step-0) both runs start from."""
+    run = train(CONFIGS[family] + SHORT + ["--dump_folder", str(folder), "--checkpoint.create-seed-checkpoint"])
+    assert run.returncode == 0 and (folder / "checkpoint" / "step-0" / ".metadata").exists(), run
+
+
+def relative_gap(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and len(a) == 10
+    return max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_one_and_two_processes_give_the_same_losses(family, tokenizer_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    seeded_folder(family, one)
+    shutil.copytree(one, two)
+    batch = ["--training.global_batch_size", "4"]
+    single = train(CONFIGS[family] + SHORT + batch + ["--dump_folder", str(one)])
+    double = train(CONFIGS[family] + SHORT + batch + ["--dump_folder", str(two), "--training.local_batch_size", "2"], nproc=2)
+    assert single.returncode == 0 and double.returncode == 0, (single, double)
+    assert relative_gap(single.losses, double.losses) < 1e-3
+    assert single.losses[10] < single.losses[1] - 1.0  # and it learns
+
+
+def test_resume_reproduces_the_straight_run_bit_for_bit(tokenizer_dir, tmp_path):
+    common = CONFIGS["transformer"] + ["--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
+                                       "--lr_scheduler.total_steps", "20", "--checkpoint.interval", "10"]
+    straight = train(common + ["--training.steps", "20", "--dump_folder", str(tmp_path / "straight")])
+    first = train(common + ["--training.steps", "10", "--dump_folder", str(tmp_path / "resumed"), "--metrics.enable-wandb"])
+    second = train(common + ["--training.steps", "20", "--dump_folder", str(tmp_path / "resumed")])
+    assert all(r.returncode == 0 for r in (straight, first, second)), (straight, first, second)
+    assert sorted(second.losses) == list(range(11, 21))
+    assert {**first.losses, **second.losses} == straight.losses
+    assert straight.losses[20] < straight.losses[1] - 1.0
+    assert list((tmp_path / "resumed").rglob("offline-run-*")), "wandb wrote no offline run"
+
+
+def test_compile_and_activation_checkpointing_modes_agree(tokenizer_dir, tmp_path):
+    seeded_folder("transformer", tmp_path / "seed")
+    runs = {}
+    for name, extra in {"eager-selective": [], "compiled": ["--compile.enable"],
+                        "full-ac": ["activation-checkpoint:full"], "no-ac": ["activation-checkpoint:none"]}.items():
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "seed", folder)
+        runs[name] = train(CONFIGS["transformer"] + SHORT + ["--dump_folder", str(folder)] + extra)
+        assert runs[name].returncode == 0, runs[name]
+    for name in ("compiled", "full-ac", "no-ac"):
+        assert relative_gap(runs["eager-selective"].losses, runs[name].losses) < 1e-4, name
+
+
+def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_checkpoint(tokenizer_dir, tmp_path):
+    run = train(["--module", "nan_configs", "--config", "transformer_diverging", "--training.steps", "30",
+                 "--checkpoint.interval", "2", "--validator.no-enable", "--dump_folder", str(tmp_path)])
+    assert run.returncode != 0
+    assert "error: Loss is not finite" in run.output and "Checkpoints written before this step are intact" in run.output
+    failed_at = max(run.losses) + 1 if run.losses else 1
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*"))
+    assert saved and max(saved) < failed_at and all((tmp_path / "checkpoint" / f"step-{s}" / ".metadata").exists() for s in saved)
