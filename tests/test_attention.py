@@ -70,3 +70,15 @@ def test_torchtitan_cpu_attention_matches_reference():
     out = attention(q, k, v, attention_masks=create_varlen_metadata_for_document(positions))
     expected = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
     torch.testing.assert_close(out, expected.transpose(1, 2))
+
+
+def test_backend_choice_follows_device_and_flash_attn(monkeypatch):
+    import importlib.util
+
+    from torchtitan_ext.attention import auto_attention_backend
+
+    assert auto_attention_backend(accelerator=False) == "cpu"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert auto_attention_backend(accelerator=True) == "flex"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
+    assert auto_attention_backend(accelerator=True) == "varlen"

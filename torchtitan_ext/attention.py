@@ -8,6 +8,7 @@ dense (B, 1, L, L) mask: causal inside each packed document, as flex/varlen are 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +62,12 @@ def use_cpu_attention(model_config) -> None:
             parent[attr] = DocumentCausalSDPA.Config()
         else:
             setattr(parent, attr, DocumentCausalSDPA.Config())
+
+
+def auto_attention_backend(accelerator: bool) -> str:
+    """"cpu" (DocumentCausalSDPA) without an accelerator; on GPU torchtitan's "varlen"
+    (flash kernels) when a flash-attn package is installed, else "flex"."""
+    if not accelerator:
+        return "cpu"
+    has_flash = any(importlib.util.find_spec(m) for m in ("flash_attn_interface", "flash_attn"))
+    return "varlen" if has_flash else "flex"

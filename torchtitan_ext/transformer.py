@@ -29,7 +29,7 @@ from torchtitan.models.llama3 import (
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_ext.attention import use_cpu_attention
+from torchtitan_ext.attention import auto_attention_backend, use_cpu_attention
 from torchtitan_ext.cpu import has_accelerator
 
 
@@ -53,12 +53,13 @@ FLAVORS = {
 
 
 def model_config(flavor: str, attn_backend: str = "auto") -> Llama3Model.Config:
-    """torchtitan Llama3Model config for a flavor. attn_backend "auto" = flex on an
-    accelerator, the CPU document-causal SDPA otherwise; or any torchtitan backend name."""
+    """torchtitan Llama3Model config for a flavor. attn_backend: "auto"
+    (`auto_attention_backend`), "cpu", or any torchtitan backend name (flex, flex_flash, varlen)."""
     if flavor not in FLAVORS:
         raise ValueError(f"unknown Transformer++ flavor '{flavor}': choose one of {sorted(FLAVORS)}")
     s = FLAVORS[flavor]
-    on_cpu = attn_backend == "auto" and not has_accelerator()
+    if attn_backend == "auto":
+        attn_backend = auto_attention_backend(has_accelerator())
     config = Llama3Model.Config(
         dim=s.dim,
         vocab_size=s.vocab_size,
@@ -72,10 +73,10 @@ def model_config(flavor: str, attn_backend: str = "auto") -> Llama3Model.Config:
             n_kv_heads=s.n_kv_heads,
             hidden_dim=s.ffn_hidden,
             rope=ComplexRoPE.Config(dim=s.dim // s.n_heads, max_seq_len=s.max_seq_len, theta=500000, scaling="none"),
-            attn_backend="flex" if attn_backend == "auto" else attn_backend,
+            attn_backend="flex" if attn_backend == "cpu" else attn_backend,
         ),
     )
-    if on_cpu:
+    if attn_backend == "cpu":
         use_cpu_attention(config)
     return config
 
