@@ -1,0 +1,210 @@
+"""Titans neural memory: chunked path vs a plain token-by-token reference, streaming,
+memorisation, gradients."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.newton_schulz import newton_schulz
+from models.neural_memory import (
+    associative_grads,
+    chunked_memory,
+    MemoryState,
+    mlp_forward,
+    NeuralMemory,
+    NeuralMemoryConfig,
+)
+
+torch.set_default_dtype(torch.float64)
+
+
+def make_memory(**kw) -> NeuralMemory:
+    torch.manual_seed(0)
+    cfg = dict(dim=12, n_heads=2, head_dim=4, depth=2, expansion=2, chunk_size=3, max_lr=0.5)
+    memory = NeuralMemory(NeuralMemoryConfig(**{**cfg, **kw}))
+    with torch.no_grad():  # livelier gates than the defaults, so every term matters
+        memory.to_gates.weight.normal_(std=0.5)
+        memory.to_gates.bias.fill_(0.0)
+    return memory
+
+
+def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
+    """The update rule written plainly: one batch row, one head, one token at a time;
+    per chunk, the theta-weighted gradients of its tokens (autograd, against the weights
+    before the chunk) are summed, then S = eta S - G, M = (1 - alpha) M + [NS](S)."""
+    cfg = memory.cfg
+
+    def heads(t):
+        return t.view(*t.shape[:-1], cfg.n_heads, cfg.head_dim)
+
+    q, k, v = heads(memory.to_q(x)), heads(memory.to_k(x)), heads(memory.to_v(x))
+    if cfg.qk_norm:
+        q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
+    gates = torch.sigmoid(memory.to_gates(x)).view(*x.shape[:-1], 3, cfg.n_heads)
+    theta, eta, alpha = cfg.max_lr * gates[..., 0, :], gates[..., 1, :], gates[..., 2, :]
+
+    def net(weights, inp):
+        for i, w in enumerate(weights):
+            inp = inp @ w
+            if i < len(weights) - 1:
+                inp = F.silu(inp)
+        return inp
+
+    out = torch.zeros(x.shape[0], x.shape[1], cfg.n_heads, cfg.head_dim)
+    for b, h in itertools.product(range(x.shape[0]), range(cfg.n_heads)):
+        weights = [w[h].clone() for w in memory.initial()]
+        momentum = [torch.zeros_like(w) for w in weights]
+        for start in range(0, x.shape[1], cfg.chunk_size):
+            tokens = range(start, min(start + cfg.chunk_size, x.shape[1]))
+            for t in tokens:
+                out[b, t, h] = net(weights, q[b, t, h])
+            if len(tokens) < cfg.chunk_size:
+                break  # a partial chunk is not written yet
+            grads = [torch.zeros_like(w) for w in weights]
+            for t in tokens:
+                with torch.enable_grad():
+                    leaves = [w.detach().requires_grad_() for w in weights]
+                    loss = theta[b, t, h] * ((net(leaves, k[b, t, h]) - v[b, t, h]) ** 2).sum()
+                    dgrads = torch.autograd.grad(loss, leaves)
+                for g, dg in zip(grads, dgrads):
+                    g += dg
+            eta_c = eta[b, list(tokens), h].mean() if cfg.momentum else 0.0
+            alpha_c = alpha[b, list(tokens), h].mean() if cfg.forget else 0.0
+            momentum = [eta_c * s - g for s, g in zip(momentum, grads)]
+            step = [newton_schulz(s, cfg.newton_schulz_steps) if cfg.newton_schulz_steps else s for s in momentum]
+            weights = [(1 - alpha_c) * w + s for w, s in zip(weights, step)]
+    return memory.out(out.flatten(-2))
+
+
+CASES = [
+    dict(depth=d, momentum=m, forget=f, newton_schulz_steps=ns, chunk_size=c)
+    for d, m, f, ns, c in itertools.product([1, 2], [True, False], [True, False], [0, 5], [1, 3, 8])
+    if not (m is False and f is False and ns == 5)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k[:3]}{int(v)}" for k, v in c.items()))
+def test_chunked_path_equals_token_by_token_reference(case):
+    memory = make_memory(**case)
+    x = torch.randn(2, 17, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(memory(x)[0], reference(memory, x), rtol=0, atol=1e-6)
+
+
+def test_chunk_size_one_is_online_gradient_descent_and_differs_from_larger_chunks():
+    x = torch.randn(1, 12, 12)
+    with torch.no_grad():
+        online, chunked = make_memory(chunk_size=1)(x)[0], make_memory(chunk_size=4)(x)[0]
+    assert (online[:, 4:] - chunked[:, 4:]).abs().max() > 1e-4  # the chunks really are sequential steps
+    torch.testing.assert_close(online[:, :1], chunked[:, :1])  # both read the initial weights first
+
+
+@pytest.mark.parametrize("splits", [[17], [1, 16], [3, 3, 11], [5, 2, 7, 3], [16, 1]])
+def test_streaming_in_segments_equals_one_pass(splits):
+    memory = make_memory(newton_schulz_steps=5)
+    x = torch.randn(2, 17, 12)
+    with torch.no_grad():
+        whole, whole_state = memory(x)
+        state, parts = None, []
+        for piece in torch.split(x, splits, dim=1):
+            y, state = memory(piece, state)
+            parts.append(y)
+    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=0, atol=1e-10)
+    for a, b in zip(state.weights, whole_state.weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def write_and_recall(n_pairs: int, passes: int, depth: int, lr: float = 0.5) -> tuple[float, float]:
+    """Write n random (k, v) pairs `passes` times (chunked, plain GD) then read with k:
+    returns (recall error of the written memory, of the unwritten memory)."""
+    g = torch.Generator().manual_seed(0)
+    d = 16
+    keys = F.normalize(torch.randn(1, 1, n_pairs, d, generator=g), dim=-1)
+    values = torch.randn(1, 1, n_pairs, d, generator=g)
+    weights = tuple(torch.randn(1, 1, i, o, generator=g) * 0.1 for i, o in NeuralMemoryConfig(
+        dim=d, n_heads=1, head_dim=d, depth=depth, expansion=2).layer_shapes())
+    empty = torch.zeros(1, 1, 0)
+    state = MemoryState(weights, tuple(torch.zeros_like(w) for w in weights),
+                        (torch.zeros(1, 1, 0, d), torch.zeros(1, 1, 0, d), empty, empty, empty))
+    untouched = state
+    for _ in range(passes):
+        n = keys.shape[2]
+        ones = torch.ones(1, 1, n)
+        _, state = chunked_memory(state, keys, keys, values, lr * ones, 0 * ones, 0 * ones, chunk=4, ns_steps=0)
+
+    def error(s):
+        recalled, _ = mlp_forward(s.weights, keys)
+        return ((recalled - values) ** 2).mean().item()
+
+    return error(state), error(untouched)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_memory_memorises_random_associations(depth):
+    lr = {1: 0.5, 2: 0.1}[depth]
+    errors = [write_and_recall(8, passes, depth, lr)[0] for passes in (1, 3, 10, 30)]
+    unwritten = write_and_recall(8, 1, depth)[1]
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < 0.05 * unwritten, (errors, unwritten)
+
+
+def test_output_depends_on_what_was_written():
+    memory = make_memory(chunk_size=4)
+    query = torch.randn(1, 4, 12)
+    with torch.no_grad():
+        outputs = [memory(torch.cat([torch.randn(1, 8, 12), query], 1))[0][:, -4:] for _ in range(2)]
+    assert (outputs[0] - outputs[1]).abs().max() > 1e-3
+
+
+def test_explicit_gradient_equals_autograd():
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(2, 2, 4, 6, generator=g, requires_grad=True), torch.randn(2, 2, 6, 4, generator=g, requires_grad=True)]
+    k, v, theta = torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g), torch.rand(2, 2, 5, generator=g)
+    h = F.silu(k @ weights[0]) @ weights[1]
+    expected = torch.autograd.grad((theta[..., None] * (h - v) ** 2).sum(), weights)
+    for got, want in zip(associative_grads(weights, k, v, theta), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_gradcheck_of_the_chunked_update():
+    g = torch.Generator().manual_seed(4)
+    shapes = [(1, 1, 3, 4), (1, 1, 4, 3)]
+    inputs = [torch.randn(s, generator=g, requires_grad=True) * 0.5 for s in shapes]
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    q, k, v = (torch.randn(1, 1, 4, 3, generator=g, requires_grad=True) for _ in range(3))
+    gates = [torch.rand(1, 1, 4, generator=g, requires_grad=True) for _ in range(3)]
+
+    def run(w0, w1, q, k, v, theta, eta, alpha):
+        state = MemoryState((w0, w1), (torch.zeros_like(w0), torch.zeros_like(w1)),
+                            (k[:, :, :0], v[:, :, :0], theta[..., :0], eta[..., :0], alpha[..., :0]))
+        y, s = chunked_memory(state, q, k, v, theta, eta, alpha, chunk=2, ns_steps=5)
+        return y, *s.weights
+
+    assert torch.autograd.gradcheck(run, (*inputs, q, k, v, *gates))
+
+
+def test_gradients_reach_every_outer_loop_parameter():
+    memory = make_memory(newton_schulz_steps=5)
+    y, _ = memory(torch.randn(2, 10, 12))
+    y.square().sum().backward()
+    for name, p in memory.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_newton_schulz_matches_muon_and_pushes_singular_values_to_one():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 6, 10, generator=g)
+    expected = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
+    for _ in range(5):  # the published Muon iteration, written out
+        a = expected @ expected.mT
+        expected = 3.4445 * expected + (-4.7750 * a + 2.0315 * a @ a) @ expected
+    torch.testing.assert_close(newton_schulz(x, 5), expected)
+    torch.testing.assert_close(newton_schulz(x.mT, 5), expected.mT)  # tall input: transposed
+    s = torch.linalg.svdvals(newton_schulz(x, 5))
+    assert s.min() > 0.6 and s.max() < 1.25
+    before = torch.linalg.svdvals(x / torch.linalg.matrix_norm(x, keepdim=True))
+    assert (s - 1).abs().max() < (before - 1).abs().max()
