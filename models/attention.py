@@ -56,3 +56,22 @@ def document_causal_attention(
         return _flex_document_attention(q, k, v, doc_ids, scale, enable_gqa)
     mask = document_causal_mask(doc_ids)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, scale: float | None = None) -> torch.Tensor:
+    """Attention under any mask. q (B, H, Lq, D), k/v (B, Hkv, Lk, D) -> (B, H, Lq, D).
+
+    `mask_mod(q_idx, kv_idx)` returns True where a query may attend a key; it is written
+    once and evaluated two ways: as a block-sparse flex-attention mask on CUDA, and as a
+    dense (Lq, Lk) mask for SDPA elsewhere (FlexAttention has no CPU backward).
+    """
+    enable_gqa = q.shape[1] != k.shape[1]
+    q_len, kv_len = q.shape[2], k.shape[2]
+    if q.is_cuda:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        block_mask = create_block_mask(lambda b, h, qi, ki: mask_mod(qi, ki), None, None, q_len, kv_len, device=q.device)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    q_idx = torch.arange(q_len, device=q.device)[:, None]
+    kv_idx = torch.arange(kv_len, device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_mod(q_idx, kv_idx), scale=scale, enable_gqa=enable_gqa)

@@ -170,9 +170,8 @@ class NeuralMemory(nn.Module):
             bias[0].fill_(0.0)  # theta = max_lr / 2
             bias[1].fill_(0.0)  # eta = 0.5
             bias[2].fill_(-4.0)  # alpha = 0.018: forget little at first
-            generator = torch.Generator().manual_seed(0)
             for w in self.initial():
-                w.copy_(torch.randn(w.shape, generator=generator) / w.shape[-2] ** 0.5)
+                nn.init.normal_(w, std=w.shape[-2] ** -0.5)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim)).transpose(1, 2)

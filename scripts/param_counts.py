@@ -4,15 +4,20 @@
 """
 
 import sys
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_ext import mlp_lm, transformer  # noqa: E402
+from models.titans import VARIANTS  # noqa: E402
+from torchtitan_ext import mlp_lm, titans, transformer  # noqa: E402
 
-FAMILIES = {"transformer": transformer, "mlp_lm": mlp_lm}
+FAMILIES = {"transformer": transformer, "mlp_lm": mlp_lm} | {
+    f"titans_{v}": SimpleNamespace(FLAVORS=titans.FLAVORS, model_spec=partial(titans.model_spec, v)) for v in VARIANTS
+}
 
 
 def param_count(family: str, flavor: str) -> int:

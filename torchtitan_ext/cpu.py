@@ -154,4 +154,7 @@ def apply() -> bool:
         return False
     _patch_device_detection()
     _patch_gloo_gradient_reduction()
+    # Subnormal floats in the backward of the test-time memories' inner loop made CPU
+    # steps ~30-100x slower (measured: titans_lmm_debug fwd+bwd 10.1 s -> 0.27 s).
+    torch.set_flush_denormal(True)
     return True

@@ -13,9 +13,14 @@ same for Hugging Face models):
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+
 import torch
 from torchtitan.models.llama3 import parallelize_llama
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
+from torchtitan.protocols import BaseModel
+from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from torchtitan_ext.errors import UserError
@@ -31,9 +36,57 @@ class PlainModelMixin:
         self.reset_parameters()
 
 
-def dense_nparams_and_flops(model, n_layers: int, n_heads: int, head_dim: int, seq_len: int, tied: bool):
-    """torchtitan's dense-decoder estimate (6N + attention term per token)."""
-    return get_dense_model_nparams_and_flops(model, n_layers, n_heads, 2 * head_dim, seq_len, tied)
+def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
+    """The torchtitan model class for a plain decoder class and its config dataclass.
+
+    The plain config needs `vocab_size`, `max_seq_len`, `n_layers`, `n_heads`, `head_dim`;
+    optional `window` (attention span, for the FLOP count) and `tie_embeddings`.
+    FLOPs per token: torchtitan's dense estimate (6N + attention over min(seq_len, window));
+    work inside a test-time memory's update is not counted.
+    """
+
+    class TorchtitanModel(PlainModelMixin, BaseModel, plain_cls):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseModel.Config):
+            model: plain_config_cls = field(default_factory=plain_config_cls)
+
+            @property
+            def vocab_size(self) -> int:
+                return self.model.vocab_size
+
+            @property
+            def max_seq_len(self) -> int:
+                return self.model.max_seq_len
+
+            def update_from_config(self, *, config, **kwargs) -> None:
+                from torchtitan_ext.preflight import check_seq_len
+
+                check_seq_len(config)
+
+            def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
+                m = self.model
+                span = min(seq_len, getattr(m, "window", seq_len))
+                tied = getattr(m, "tie_embeddings", False)
+                return get_dense_model_nparams_and_flops(model, m.n_layers, m.n_heads, 2 * m.head_dim, span, tied)
+
+        def __init__(self, config):
+            plain_cls.__init__(self, config.model)
+
+    TorchtitanModel.__name__ = TorchtitanModel.__qualname__ = f"Torchtitan{plain_cls.__name__}"
+    return TorchtitanModel
+
+
+def plain_model_spec(name: str, flavor: str, model_cls: type, plain_config) -> ModelSpec:
+    """ModelSpec for a plain model; the config is copied (callers may edit theirs)."""
+    return ModelSpec(
+        name=name,
+        flavor=flavor,
+        model=model_cls.Config(model=dataclasses.replace(plain_config)),
+        parallelize_fn=parallelize_plain_decoder,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=IdentityStateDictAdapter,
+    )
 
 
 def parallelize_plain_decoder(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):

@@ -1,0 +1,257 @@
+"""Titans language models (003_*.txt section 2.3): decoder blocks, each with its own
+neural memory (`models/neural_memory.py`), in four variants:
+
+- LMM: memory-only blocks   x += Memory(norm x);                     x += FFN(norm x)
+- MAL: memory as a layer    x += Memory(norm x); x += SWA*(norm x);  x += FFN(norm x)   (eq. 2.42-2.44)
+- MAG: memory as a gate     h = norm x; x += Gate(SWA*(h), Memory(h)); x += FFN(norm x) (eq. 2.45-2.47)
+- MAC: memory as context, per segment s of `window` tokens, in the paper's order
+  (eq. 2.48-2.51): r = M_{s-1}*(q) read with the segment's queries; y = Attn over
+  [persistent; r; segment]; m = Memory(y) writes y (chunk by chunk) and reads the memory
+  again; x_s += Gate(y, m).   Then x += FFN(norm x).
+
+SWA* is sliding-window causal attention over `window` tokens with the persistent tokens
+(learnable, `n_persistent`) prepended as keys/values visible to every query. In MAC a
+query at segment position i sees the persistent tokens, retrieved tokens r_j and segment
+tokens j for j <= i only (r_j carries token j's query, so a later r_j would leak).
+
+Choices where the paper is silent (documented and tested):
+- Gate(y, m) = g * y + (1 - g) * m with g = sigmoid(W_g y + b_g) per channel, b_g = 0.
+- RoPE on queries and sequence keys (retrieved tokens take their token's position);
+  persistent keys are not rotated.
+- Each row is one stream: attention windows and memory run across packed-document
+  boundaries (the memory state is not reset at BOS). `positions` is accepted for
+  torchtitan's call signature and ignored.
+- FFN is SwiGLU (Transformer++), norms are RMSNorm, embeddings untied.
+Shapes: tokens (B, T) -> logits (B, T, vocab_size).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from models.attention import masked_attention
+from models.layers import SwiGLU, swiglu_hidden
+from models.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
+from models.rope import apply_rope, rope_angles
+
+VARIANTS = ("mac", "mag", "mal", "lmm")
+
+
+@dataclass
+class TitansConfig:
+    variant: str = "mac"
+    vocab_size: int = 4096
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    window: int = 64  # sliding-window size; MAC segment length
+    n_persistent: int = 4
+    memory_depth: int = 2
+    memory_expansion: int = 4
+    memory_chunk: int = 16
+    memory_momentum: bool = True
+    memory_forget: bool = True
+    newton_schulz_steps: int = 0
+    rope_theta: float = 10000.0
+    max_seq_len: int = 131072
+    norm_eps: float = 1e-6
+    ffn_hidden: int | None = None
+    init_std: float = 0.02
+    memory: NeuralMemoryConfig = field(init=False)
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"Titans variant '{self.variant}' unknown: choose one of {VARIANTS}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} must divide by n_heads {self.n_heads}")
+        self.ffn_hidden = self.ffn_hidden or swiglu_hidden(self.dim)
+        self.memory = NeuralMemoryConfig(
+            dim=self.dim, n_heads=self.n_heads, head_dim=self.head_dim, depth=self.memory_depth,
+            expansion=self.memory_expansion, chunk_size=self.memory_chunk, momentum=self.memory_momentum,
+            forget=self.memory_forget, newton_schulz_steps=self.newton_schulz_steps,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def prefix_window_mask(n_prefix: int, window: int):
+    """Keys = [prefix; sequence]: every query sees the prefix, and sequence keys j with
+    i - window < j <= i (query i)."""
+
+    def mask_mod(q_idx, kv_idx):
+        j = kv_idx - n_prefix
+        return (kv_idx < n_prefix) | ((j <= q_idx) & (q_idx - j < window))
+
+    return mask_mod
+
+
+def mac_mask(n_prefix: int, segment: int):
+    """Keys = [persistent; retrieved r_0..r_{S-1}; segment x_0..x_{S-1}]: query i sees the
+    persistent tokens, r_j and x_j for j <= i."""
+
+    def mask_mod(q_idx, kv_idx):
+        j = kv_idx - n_prefix
+        j = torch.where(j >= segment, j - segment, j)
+        return (kv_idx < n_prefix) | (j <= q_idx)
+
+    return mask_mod
+
+
+class Gate(nn.Module):
+    """g * y + (1 - g) * m with g = sigmoid(W y + b). Keeps the last g for diagnostics."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.last_gate: torch.Tensor | None = None
+
+    def forward(self, y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        g = torch.sigmoid(self.proj(y))
+        self.last_gate = g.detach()
+        return g * y + (1 - g) * m
+
+
+class PersistentAttention(nn.Module):
+    """Multi-head attention whose keys/values are [persistent tokens; given tokens]."""
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.persistent = nn.Parameter(torch.empty(cfg.n_persistent, cfg.dim))
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim)).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, x_positions: torch.Tensor, kv: torch.Tensor, kv_positions: torch.Tensor, mask_mod):
+        """x (B, Lq, dim) queries; kv (B, Lk, dim) keys/values after the persistent prefix;
+        positions (Lq,), (Lk,) for RoPE."""
+        hd, theta = self.cfg.head_dim, self.cfg.rope_theta
+        q = apply_rope(self._heads(self.wq(x)), *rope_angles(x_positions[None], hd, theta))
+        k = apply_rope(self._heads(self.wk(kv)), *rope_angles(kv_positions[None], hd, theta))
+        prefix = self.persistent.expand(x.shape[0], -1, -1)
+        k = torch.cat([self._heads(self.wk(prefix)), k], 2)
+        v = torch.cat([self._heads(self.wv(prefix)), self._heads(self.wv(kv))], 2)
+        out = masked_attention(q, k, v, mask_mod)
+        return self.wo(out.transpose(1, 2).flatten(-2))
+
+
+class TitansBlock(nn.Module):
+    def __init__(self, cfg: TitansConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.memory_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.memory = NeuralMemory(cfg.memory)
+        if cfg.variant != "lmm":
+            self.attention = PersistentAttention(cfg)
+        if cfg.variant == "mal":
+            self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        if cfg.variant in ("mac", "mag"):
+            self.gate = Gate(cfg.dim)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
+        self.last_memory_share: torch.Tensor | None = None
+
+    def _window_attention(self, h: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(h.shape[1], device=h.device)
+        return self.attention(h, positions, h, positions, prefix_window_mask(self.cfg.n_persistent, self.cfg.window))
+
+    def _note_share(self, memory_part: torch.Tensor, total: torch.Tensor) -> None:
+        self.last_memory_share = (memory_part.detach().norm() / total.detach().norm().clamp_min(1e-12))
+
+    def _mac(self, x: torch.Tensor, state: MemoryState | None) -> torch.Tensor:
+        cfg, outputs = self.cfg, []
+        for start in range(0, x.shape[1], cfg.window):
+            segment = x[:, start : start + cfg.window]
+            h = self.memory_norm(segment)
+            if state is None:
+                state = self.memory.empty_state(x.shape[0], dtype=x.dtype)
+            retrieved = self.memory.retrieve(h, state)
+            positions = torch.arange(start, start + segment.shape[1], device=x.device)
+            y = self.attention(h, positions, torch.cat([retrieved, h], 1), torch.cat([positions, positions]),
+                               mac_mask(cfg.n_persistent, segment.shape[1]))
+            m, state = self.memory(y, state)
+            out = self.gate(y, m)
+            outputs.append(segment + out)
+        x_new = torch.cat(outputs, 1)
+        self._note_share((1 - self.gate.last_gate) * m, out)
+        return x_new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variant = self.cfg.variant
+        if variant == "mac":
+            x = self._mac(x, None)
+        elif variant == "mag":
+            h = self.memory_norm(x)
+            m, _ = self.memory(h)
+            out = self.gate(self._window_attention(h), m)
+            self._note_share((1 - self.gate.last_gate) * m, out)
+            x = x + out
+        else:
+            m, _ = self.memory(self.memory_norm(x))
+            self._note_share(m, x)
+            x = x + m
+            if variant == "mal":
+                x = x + self._window_attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TitansLM(nn.Module):
+    """Titans decoder LM. Attribute names follow torchtitan's decoders (see MLPLM)."""
+
+    _skip_lm_head: bool = False
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TitansBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.enable_weight_tying = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std, residual_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        with torch.no_grad():
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
+            nn.init.normal_(self.lm_head.weight, std=self.cfg.dim**-0.5)
+            self.norm.reset_parameters()
+            for block in self.layers.values():
+                for module in block.modules():
+                    if isinstance(module, nn.RMSNorm):
+                        module.reset_parameters()
+                block.memory.reset_parameters()
+                ffn = block.feed_forward
+                nn.init.normal_(ffn.w1.weight, std=std)
+                nn.init.normal_(ffn.w3.weight, std=std)
+                nn.init.normal_(ffn.w2.weight, std=residual_std)
+                if hasattr(block, "attention"):
+                    attn = block.attention
+                    for linear in (attn.wq, attn.wk, attn.wv):
+                        nn.init.normal_(linear.weight, std=std)
+                    nn.init.normal_(attn.wo.weight, std=residual_std)
+                    nn.init.normal_(attn.persistent, std=std)
+                if hasattr(block, "gate"):
+                    nn.init.normal_(block.gate.proj.weight, std=std)
+                    nn.init.zeros_(block.gate.proj.bias)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None) -> torch.Tensor:
+        if attention_masks is not None:
+            raise ValueError("TitansLM builds its own masks; pass attention_masks=None")
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h)
+        h = self.norm(h)
+        return h if self._skip_lm_head else self.lm_head(h)

@@ -1,0 +1,41 @@
+"""torchtitan specs for the Titans models of `models/titans.py` (MAC, MAG, MAL, LMM).
+
+The Titans paper names sizes (170M, 400M, 760M) but not shapes. Ours: 32K vocabulary,
+untied embeddings, head_dim 64, SwiGLU FFN, memory depth 2 with expansion 4, window
+(= MAC segment) 512, 4 persistent tokens, memory chunk 64. Parameters
+(`scripts/param_counts.py`; MAG = MAC, MAL has one more norm and no gate, LMM no attention):
+
+| flavor | dim | layers | heads | MAC / MAG | MAL | LMM |
+| --- | --- | --- | --- | --- | --- | --- |
+| debug | 128 | 2 | 2 | 1.9M | 1.8M | 1.7M (4096 vocab, window 64, chunk 16) |
+| 170m | 768 | 12 | 12 | 174.6M | 167.5M | 139.2M |
+| 400m | 1024 | 18 | 16 | 401.6M | 382.7M | 307.1M |
+| 760m | 1536 | 16 | 24 | 754.6M | 716.8M | 565.7M |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.protocols.model_spec import ModelSpec
+
+from models.titans import TitansConfig, TitansLM, VARIANTS
+from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
+
+PAPER = dict(vocab_size=32000, window=512, memory_chunk=64, n_persistent=4, max_seq_len=131072)
+FLAVORS = {
+    "debug": dict(vocab_size=4096, dim=128, n_layers=2, n_heads=2, window=64, memory_chunk=16),
+    "170m": dict(PAPER, dim=768, n_layers=12, n_heads=12),
+    "400m": dict(PAPER, dim=1024, n_layers=18, n_heads=16),
+    "760m": dict(PAPER, dim=1536, n_layers=16, n_heads=24),
+}
+
+TorchtitanTitansLM = torchtitan_model(TitansLM, TitansConfig)
+
+
+def model_spec(variant: str, flavor: str) -> ModelSpec:
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown Titans flavor '{flavor}': choose one of {sorted(FLAVORS)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Titans variant '{variant}': choose one of {VARIANTS}")
+    return plain_model_spec(f"titans_{variant}", flavor, TorchtitanTitansLM, TitansConfig(variant=variant, **FLAVORS[flavor]))
