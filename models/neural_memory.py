@@ -138,6 +138,11 @@ def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, n
 class NeuralMemory(nn.Module):
     """Multi-head neural memory layer: x (B, T, dim) -> (y (B, T, dim), MemoryState)."""
 
+    # Added to the (theta, eta, alpha) logits: the forget gate starts near
+    # sigmoid(-4) = 0.018, so a fresh memory forgets little (a fixed offset rather
+    # than a bias init keeps the init a plain elementwise op under FSDP sharding).
+    GATE_OFFSETS = torch.tensor([0.0, 0.0, -4.0])[:, None, None]
+
     def __init__(self, cfg: NeuralMemoryConfig):
         super().__init__()
         self.cfg = cfg
@@ -166,10 +171,7 @@ class NeuralMemory(nn.Module):
             for linear in (self.to_q, self.to_k, self.to_v, self.out):
                 nn.init.normal_(linear.weight, std=std)
             nn.init.normal_(self.to_gates.weight, std=std)
-            bias = self.to_gates.bias.view(3, self.cfg.n_heads)
-            bias[0].fill_(0.0)  # theta = max_lr / 2
-            bias[1].fill_(0.0)  # eta = 0.5
-            bias[2].fill_(-4.0)  # alpha = 0.018: forget little at first
+            nn.init.zeros_(self.to_gates.bias)  # theta = max_lr / 2, eta = 0.5 at first
             for w in self.initial():
                 nn.init.normal_(w, std=w.shape[-2] ** -0.5)
 
@@ -203,7 +205,8 @@ class NeuralMemory(nn.Module):
         k, v = self._heads(self.to_k(x)), self._heads(self.to_v(x))
         if cfg.qk_norm:
             k = F.normalize(F.silu(k), dim=-1)
-        theta, eta, alpha = torch.sigmoid(self.to_gates(x)).transpose(1, 2).unflatten(1, (3, cfg.n_heads)).unbind(1)
+        logits = self.to_gates(x).transpose(1, 2).unflatten(1, (3, cfg.n_heads)) + self.GATE_OFFSETS.to(x.dtype)
+        theta, eta, alpha = torch.sigmoid(logits).unbind(1)
         theta = cfg.max_lr * theta
         eta = eta if cfg.momentum else torch.zeros_like(eta)
         alpha = alpha if cfg.forget else torch.zeros_like(alpha)

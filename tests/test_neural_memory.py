@@ -44,7 +44,7 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
     q, k, v = heads(memory.to_q(x)), heads(memory.to_k(x)), heads(memory.to_v(x))
     if cfg.qk_norm:
         q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
-    gates = torch.sigmoid(memory.to_gates(x)).view(*x.shape[:-1], 3, cfg.n_heads)
+    gates = torch.sigmoid(memory.to_gates(x).view(*x.shape[:-1], 3, cfg.n_heads) + torch.tensor([0.0, 0.0, -4.0])[:, None])
     theta, eta, alpha = cfg.max_lr * gates[..., 0, :], gates[..., 1, :], gates[..., 2, :]
 
     def net(weights, inp):

@@ -1,4 +1,4 @@
-"""End-to-end training through scripts/train.sh (torchrun, gloo, CPU). Slow: about 6 minutes."""
+"""End-to-end training through scripts/train.sh (torchrun, gloo, CPU). Slow: about 12 minutes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 CONFIGS = {
     "transformer": ["--module", "train_configs.transformer", "--config", "transformer_debug"],
     "mlp_lm": ["--module", "train_configs.mlp_lm", "--config", "mlp_lm_debug"],
-}
+} | {f"titans_{v}": ["--module", "train_configs.titans", "--config", f"titans_{v}_debug"] for v in ("mac", "mag", "mal", "lmm")}
 SHORT = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0"]
 
 
