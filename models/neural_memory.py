@@ -117,21 +117,20 @@ def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, n
     pending = state.pending[0].shape[2]
     q = F.pad(q, (0, 0, pending, 0))  # placeholder queries for the pending tokens
     total = q.shape[2]
+    full = total - total % chunk
+    # Split once into per-chunk views (unbind): slicing chunk by chunk would make autograd
+    # scatter every chunk's gradient into a full-length zero tensor (quadratic in T).
+    per_chunk = [t[:, :, :full].unflatten(2, (-1, chunk)).unbind(2) for t in (q, k, v, theta, eta, alpha)]
     weights, momentum = state.weights, state.momentum
     outputs = []
-    for start in range(0, total - total % chunk, chunk):
-        end = start + chunk
-        both, _ = mlp_forward(weights, torch.cat([q[:, :, start:end], k[:, :, start:end]], 2))
-        outputs.append(both[:, :, :chunk])
-        grads = associative_grads(weights, k[:, :, start:end], v[:, :, start:end], theta[:, :, start:end])
-        weights, momentum = memory_update(
-            weights, momentum, grads, eta[:, :, start:end].mean(-1), alpha[:, :, start:end].mean(-1), ns_steps
-        )
-    tail = total - total % chunk
-    if tail < total:
-        outputs.append(mlp_forward(weights, q[:, :, tail:])[0])
+    for q_c, k_c, v_c, theta_c, eta_c, alpha_c in zip(*per_chunk):
+        outputs.append(mlp_forward(weights, q_c)[0])
+        grads = associative_grads(weights, k_c, v_c, theta_c)
+        weights, momentum = memory_update(weights, momentum, grads, eta_c.mean(-1), alpha_c.mean(-1), ns_steps)
+    if full < total:
+        outputs.append(mlp_forward(weights, q[:, :, full:])[0])
     y = torch.cat(outputs, 2)[:, :, pending:]
-    new_pending = tuple(t[:, :, tail:] for t in (k, v, theta, eta, alpha))
+    new_pending = tuple(t[:, :, full:] for t in (k, v, theta, eta, alpha))
     return y, MemoryState(weights, momentum, new_pending)
 
 
