@@ -145,6 +145,7 @@ class NeuralMemory(nn.Module):
     def __init__(self, cfg: NeuralMemoryConfig):
         super().__init__()
         self.cfg = cfg
+        self.last_weight_norm = self.last_momentum_norm = None
         inner = cfg.n_heads * cfg.head_dim
         self.to_q = nn.Linear(cfg.dim, inner, bias=False)
         self.to_k = nn.Linear(cfg.dim, inner, bias=False)
@@ -212,4 +213,7 @@ class NeuralMemory(nn.Module):
         new = (k, v, theta, eta, alpha)
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
         y, state = chunked_memory(state, self.queries(x), *stream, cfg.chunk_size, cfg.newton_schulz_steps)
+        # Diagnostics of the last forward (Frobenius norms over all weights / momenta).
+        self.last_weight_norm = torch.stack([w.detach().norm() for w in state.weights]).norm()
+        self.last_momentum_norm = torch.stack([s.detach().norm() for s in state.momentum]).norm()
         return self.out(y.transpose(1, 2).flatten(-2)), state

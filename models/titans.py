@@ -22,6 +22,9 @@ Choices where the paper is silent (documented and tested):
   boundaries (the memory state is not reset at BOS). `positions` is accepted for
   torchtitan's call signature and ignored.
 - FFN is SwiGLU (Transformer++), norms are RMSNorm, embeddings untied.
+- The memory's learning rate theta is at most `memory_max_lr` = 0.01: a chunk's step sums
+  its tokens' gradients, so the step stays stable for chunks up to 64 tokens with
+  unit-norm keys (0.1 diverged to NaN within 10 steps for MAL at debug size).
 Shapes: tokens (B, T) -> logits (B, T, vocab_size).
 """
 
@@ -56,6 +59,7 @@ class TitansConfig:
     memory_momentum: bool = True
     memory_forget: bool = True
     newton_schulz_steps: int = 0
+    memory_max_lr: float = 0.01
     rope_theta: float = 10000.0
     max_seq_len: int = 131072
     norm_eps: float = 1e-6
@@ -72,7 +76,7 @@ class TitansConfig:
         self.memory = NeuralMemoryConfig(
             dim=self.dim, n_heads=self.n_heads, head_dim=self.head_dim, depth=self.memory_depth,
             expansion=self.memory_expansion, chunk_size=self.memory_chunk, momentum=self.memory_momentum,
-            forget=self.memory_forget, newton_schulz_steps=self.newton_schulz_steps,
+            forget=self.memory_forget, newton_schulz_steps=self.newton_schulz_steps, max_lr=self.memory_max_lr,
         )
 
     @property
@@ -255,3 +259,22 @@ class TitansLM(nn.Module):
             h = block(h)
         h = self.norm(h)
         return h if self._skip_lm_head else self.lm_head(h)
+
+
+def memory_diagnostics(model: nn.Module) -> dict[str, float]:
+    """The thesis' diagnostics from the last forward, per layer: gate mean/std/min/max
+    (MAC, MAG), the memory's share of the block update (||memory part|| / ||update||),
+    fast-weight and momentum norms. Works through wrappers (FSDP, AC, compile)."""
+    metrics = {}
+    for name, block in model.named_modules():
+        if not isinstance(block, TitansBlock) or block.last_memory_share is None:
+            continue
+        layer = f"memory/layer{name.split('layers.')[-1].split('.')[0]}"
+        if hasattr(block, "gate") and block.gate.last_gate is not None:
+            g = block.gate.last_gate.float()
+            metrics |= {f"{layer}/gate_mean": g.mean(), f"{layer}/gate_std": g.std(),
+                        f"{layer}/gate_min": g.min(), f"{layer}/gate_max": g.max()}
+        metrics[f"{layer}/memory_share"] = block.last_memory_share
+        metrics[f"{layer}/weight_norm"] = block.memory.last_weight_norm
+        metrics[f"{layer}/momentum_norm"] = block.memory.last_momentum_norm
+    return {k: float(v) for k, v in metrics.items()}

@@ -84,3 +84,20 @@ def test_masks():
 @pytest.mark.parametrize("flavor,claimed", [("170m", 170e6), ("400m", 400e6), ("760m", 760e6)])
 def test_paper_flavors_have_the_claimed_size(flavor, claimed):
     assert abs(param_count("titans_mac", flavor) / claimed - 1) < 0.03
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_memory_diagnostics_cover_every_layer(variant):
+    from models.titans import memory_diagnostics
+
+    model = tiny(variant)
+    model(torch.randint(0, VOCAB, (2, 20)))
+    metrics = memory_diagnostics(model)
+    for layer in ("layer0", "layer1"):
+        assert metrics[f"memory/{layer}/weight_norm"] > 0 and metrics[f"memory/{layer}/momentum_norm"] > 0
+        assert 0 < metrics[f"memory/{layer}/memory_share"]
+        if variant in ("mac", "mag"):
+            g = [metrics[f"memory/{layer}/gate_{s}"] for s in ("min", "mean", "max")]
+            assert 0 <= g[0] <= g[1] <= g[2] <= 1 and metrics[f"memory/{layer}/gate_std"] >= 0
+        else:
+            assert f"memory/{layer}/gate_mean" not in metrics

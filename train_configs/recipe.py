@@ -19,6 +19,8 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
+from torchtitan_ext.trainer import MemoryTrainer
+
 from torchtitan_ext.dataloader import TextDataLoader
 from torchtitan_ext.paths import default_tokenizer_dir
 from torchtitan_ext.tokenizer import AssetsTokenizer
@@ -30,7 +32,7 @@ PAPER_TRAIN_TOKENS = 5 * 10**9  # Mela section 5.1: 5B FineWeb-Edu tokens
 
 def _trainer_config(model_spec: ModelSpec, *, name: str, **fields) -> Trainer.Config:
     vocab_size = model_spec.model.vocab_size
-    return Trainer.Config(
+    return MemoryTrainer.Config(
         model_spec=model_spec,
         dump_folder=f"./outputs/{name}",
         tokenizer=AssetsTokenizer.Config(),
