@@ -58,6 +58,14 @@ def document_causal_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
+def _flex_masked_attention(q, k, v, mask_mod, scale, enable_gqa):
+    """Flex-attention path (GPU): the mask as a block-sparse BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = create_block_mask(lambda b, h, qi, ki: mask_mod(qi, ki), None, None, q.shape[2], k.shape[2], device=q.device)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, scale: float | None = None) -> torch.Tensor:
     """Attention under any mask. q (B, H, Lq, D), k/v (B, Hkv, Lk, D) -> (B, H, Lq, D).
 
@@ -66,12 +74,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod
     dense (Lq, Lk) mask for SDPA elsewhere (FlexAttention has no CPU backward).
     """
     enable_gqa = q.shape[1] != k.shape[1]
-    q_len, kv_len = q.shape[2], k.shape[2]
     if q.is_cuda:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        block_mask = create_block_mask(lambda b, h, qi, ki: mask_mod(qi, ki), None, None, q_len, kv_len, device=q.device)
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    q_idx = torch.arange(q_len, device=q.device)[:, None]
-    kv_idx = torch.arange(kv_len, device=q.device)[None, :]
+        return _flex_masked_attention(q, k, v, mask_mod, scale, enable_gqa)
+    q_idx = torch.arange(q.shape[2], device=q.device)[:, None]
+    kv_idx = torch.arange(k.shape[2], device=q.device)[None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_mod(q_idx, kv_idx), scale=scale, enable_gqa=enable_gqa)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.newton_schulz import newton_schulz
+from kernels import newton_schulz
 
 
 @dataclass
@@ -49,6 +49,7 @@ class NeuralMemoryConfig:
     momentum: bool = True
     forget: bool = True
     newton_schulz_steps: int = 0  # 0: plain update (Titans); 5: Mela eq. 10
+    kernel_backend: str = "auto"  # kernels.newton_schulz backend: auto / triton / torch
     qk_norm: bool = True
     learned_init: bool = True
     max_lr: float = 0.1
@@ -102,16 +103,16 @@ def associative_grads(weights, k: torch.Tensor, v: torch.Tensor, theta: torch.Te
     return grads
 
 
-def memory_update(weights, momentum, grads, eta: torch.Tensor, alpha: torch.Tensor, ns_steps: int):
+def memory_update(weights, momentum, grads, eta: torch.Tensor, alpha: torch.Tensor, ns_steps: int, backend: str = "auto"):
     """One chunk step: S = eta S - G; M = (1 - alpha) M + [NS](S). eta, alpha (B, H)."""
     eta, retain = eta[..., None, None], (1 - alpha)[..., None, None]
     new_momentum = tuple(eta * s - g for s, g in zip(momentum, grads))
-    steps = (newton_schulz(s, ns_steps) if ns_steps else s for s in new_momentum)
+    steps = (newton_schulz(s, ns_steps, backend) if ns_steps else s for s in new_momentum)
     new_weights = tuple(retain * w + s for w, s in zip(weights, steps))
     return new_weights, new_momentum
 
 
-def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, ns_steps: int):
+def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, ns_steps: int, backend: str = "auto"):
     """Read and write a stream. q (B, H, T, d) are the new tokens' queries; k, v, theta,
     eta, alpha cover pending + new tokens (p + T). Returns y (B, H, T, d), new state."""
     pending = state.pending[0].shape[2]
@@ -126,7 +127,7 @@ def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, n
     for q_c, k_c, v_c, theta_c, eta_c, alpha_c in zip(*per_chunk):
         outputs.append(mlp_forward(weights, q_c)[0])
         grads = associative_grads(weights, k_c, v_c, theta_c)
-        weights, momentum = memory_update(weights, momentum, grads, eta_c.mean(-1), alpha_c.mean(-1), ns_steps)
+        weights, momentum = memory_update(weights, momentum, grads, eta_c.mean(-1), alpha_c.mean(-1), ns_steps, backend)
     if full < total:
         outputs.append(mlp_forward(weights, q[:, :, full:])[0])
     y = torch.cat(outputs, 2)[:, :, pending:]
@@ -212,7 +213,8 @@ class NeuralMemory(nn.Module):
         alpha = alpha if cfg.forget else torch.zeros_like(alpha)
         new = (k, v, theta, eta, alpha)
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
-        y, state = chunked_memory(state, self.queries(x), *stream, cfg.chunk_size, cfg.newton_schulz_steps)
+        y, state = chunked_memory(state, self.queries(x), *stream, cfg.chunk_size, cfg.newton_schulz_steps,
+                                  cfg.kernel_backend)
         # Diagnostics of the last forward (Frobenius norms over all weights / momenta).
         self.last_weight_norm = torch.stack([w.detach().norm() for w in state.weights]).norm()
         self.last_momentum_norm = torch.stack([s.detach().norm() for s in state.momentum]).norm()

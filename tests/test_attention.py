@@ -82,3 +82,17 @@ def test_backend_choice_follows_device_and_flash_attn(monkeypatch):
     assert auto_attention_backend(accelerator=True) == "flex"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
     assert auto_attention_backend(accelerator=True) == "varlen"
+
+
+@pytest.mark.parametrize("mask_name", ["window", "mac"])
+def test_masked_attention_flex_path_matches_dense_path(mask_name):
+    from models.attention import _flex_masked_attention, masked_attention
+    from models.titans import mac_mask, prefix_window_mask
+
+    g = torch.Generator().manual_seed(3)
+    mask_mod, kv_len = {"window": (prefix_window_mask(4, 16), 4 + 128), "mac": (mac_mask(4, 64), 4 + 128)}[mask_name]
+    q_len = 128 if mask_name == "window" else 64
+    q = torch.randn(1, 2, q_len, 16, generator=g)
+    k, v = (torch.randn(1, 2, kv_len, 16, generator=g) for _ in range(2))
+    flex = _flex_masked_attention(q, k, v, mask_mod, None, False)
+    torch.testing.assert_close(flex, masked_attention(q, k, v, mask_mod), atol=1e-5, rtol=1e-5)

@@ -19,7 +19,15 @@ from models.neural_memory import (
     NeuralMemoryConfig,
 )
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    """Parity is checked in float64 (restored afterwards for the other test modules)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def make_memory(**kw) -> NeuralMemory:
