@@ -131,7 +131,7 @@ class PersistentAttention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.persistent = nn.Parameter(torch.empty(cfg.n_persistent, cfg.dim))
+        self.persistent = nn.Parameter(torch.randn(cfg.n_persistent, cfg.dim) * cfg.init_std)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim)).transpose(1, 2)
