@@ -10,7 +10,7 @@ attention alone cannot reach it. Trains, with the same data, steps and optimiser
   no information then crosses the window);
 and reports the needle accuracy on held-out sequences (chance 1/16).
 
-    python scripts/needle_task.py [--steps 400] [--length 256] [--out docs/needle_task.json]
+    python scripts/needle_task.py [--steps 300] [--length 256] [--out docs/needle_task.json]
 """
 
 import argparse
@@ -70,7 +70,7 @@ def train_and_score(model: TitansLM, steps: int, length: int, batch_size: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None)
