@@ -19,7 +19,9 @@ Choices where the papers are silent (tested):
 - `M` has no residual inside: depth 1 is `x W`, depth L applies L matrices with SiLU
   between them (hidden width = expansion * head_dim). Initial weights are learned
   (`learned_init`), else a fixed random draw (zeros would never learn for depth >= 2).
-- The loss is summed over tokens and features; theta = max_lr * sigmoid(.).
+- The loss is summed over tokens and features; theta = max_lr * sigmoid(.), max_lr 0.01:
+  a chunk's step sums its tokens' gradients, so it stays stable for chunks up to 64
+  tokens with unit-norm keys (0.1 diverged to NaN within 10 steps for MAL at debug size).
 - q and k go through SiLU then L2 normalisation (`qk_norm`), as in Titans.
 - A trailing partial chunk is not written yet: its keys/values wait in the state
   (`MemoryState.pending`) until the chunk completes in a later call, so processing a
@@ -40,7 +42,7 @@ from kernels import newton_schulz
 
 @dataclass
 class NeuralMemoryConfig:
-    dim: int
+    dim: int = 256
     n_heads: int = 4
     head_dim: int = 64
     depth: int = 2
@@ -52,7 +54,7 @@ class NeuralMemoryConfig:
     kernel_backend: str = "auto"  # kernels.newton_schulz backend: auto / triton / torch
     qk_norm: bool = True
     learned_init: bool = True
-    max_lr: float = 0.1
+    max_lr: float = 0.01
 
     def layer_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of each memory weight matrix, e.g. depth 2: [(d, e*d), (e*d, d)]."""

@@ -22,14 +22,14 @@ Choices where the paper is silent (documented and tested):
   boundaries (the memory state is not reset at BOS). `positions` is accepted for
   torchtitan's call signature and ignored.
 - FFN is SwiGLU (Transformer++), norms are RMSNorm, embeddings untied.
-- The memory's learning rate theta is at most `memory_max_lr` = 0.01: a chunk's step sums
-  its tokens' gradients, so the step stays stable for chunks up to 64 tokens with
-  unit-norm keys (0.1 diverged to NaN within 10 steps for MAL at debug size).
+- The memory options (`memory`, a NeuralMemoryConfig) keep their defaults unless set:
+  depth 2, expansion 4, momentum and forget gate on, max lr 0.01.
 Shapes: tokens (B, T) -> logits (B, T, vocab_size).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -53,19 +53,13 @@ class TitansConfig:
     n_heads: int = 4
     window: int = 64  # sliding-window size; MAC segment length
     n_persistent: int = 4
-    memory_depth: int = 2
-    memory_expansion: int = 4
-    memory_chunk: int = 16
-    memory_momentum: bool = True
-    memory_forget: bool = True
-    newton_schulz_steps: int = 0
-    memory_max_lr: float = 0.01
+    # The memory's own options; dim / n_heads / head_dim are filled in from the model's.
+    memory: NeuralMemoryConfig = field(default_factory=lambda: NeuralMemoryConfig(chunk_size=16))
     rope_theta: float = 10000.0
     max_seq_len: int = 131072
     norm_eps: float = 1e-6
     ffn_hidden: int | None = None
     init_std: float = 0.02
-    memory: NeuralMemoryConfig = field(init=False)
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -73,11 +67,7 @@ class TitansConfig:
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} must divide by n_heads {self.n_heads}")
         self.ffn_hidden = self.ffn_hidden or swiglu_hidden(self.dim)
-        self.memory = NeuralMemoryConfig(
-            dim=self.dim, n_heads=self.n_heads, head_dim=self.head_dim, depth=self.memory_depth,
-            expansion=self.memory_expansion, chunk_size=self.memory_chunk, momentum=self.memory_momentum,
-            forget=self.memory_forget, newton_schulz_steps=self.newton_schulz_steps, max_lr=self.memory_max_lr,
-        )
+        self.memory = dataclasses.replace(self.memory, dim=self.dim, n_heads=self.n_heads, head_dim=self.head_dim)
 
     @property
     def head_dim(self) -> int:

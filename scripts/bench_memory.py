@@ -37,9 +37,8 @@ def seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def ours(chunk: int):
-    memory = NeuralMemory(NeuralMemoryConfig(dim=DIM, n_heads=HEADS, head_dim=HEAD_DIM, depth=2,
-                                             expansion=EXPANSION, chunk_size=chunk, momentum=True))
+def forward_backward(memory: torch.nn.Module):
+    """A callable running one fwd+bwd of a memory layer that returns (output, state)."""
     x = torch.randn(B, T, DIM)
 
     def step():
@@ -48,22 +47,19 @@ def ours(chunk: int):
         y.sum().backward()
 
     return step
+
+
+def ours(chunk: int):
+    return forward_backward(NeuralMemory(NeuralMemoryConfig(dim=DIM, n_heads=HEADS, head_dim=HEAD_DIM, depth=2,
+                                                            expansion=EXPANSION, chunk_size=chunk, momentum=True)))
 
 
 def theirs(chunk: int):
     from titans_pytorch import MemoryMLP
     from titans_pytorch import NeuralMemory as PeerMemory
 
-    memory = PeerMemory(dim=DIM, chunk_size=chunk, heads=HEADS, dim_head=HEAD_DIM,
-                        model=MemoryMLP(HEAD_DIM, depth=2, expansion_factor=EXPANSION), momentum=True)
-    x = torch.randn(B, T, DIM)
-
-    def step():
-        memory.zero_grad()
-        y, _ = memory(x)
-        y.sum().backward()
-
-    return step
+    return forward_backward(PeerMemory(dim=DIM, chunk_size=chunk, heads=HEADS, dim_head=HEAD_DIM,
+                                       model=MemoryMLP(HEAD_DIM, depth=2, expansion_factor=EXPANSION), momentum=True))
 
 
 def model_flops() -> float:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.neural_memory import NeuralMemoryConfig  # noqa: E402
 from models.titans import TitansConfig, TitansLM  # noqa: E402
 
 VALUES, FILLER = 16, 32
@@ -41,7 +42,7 @@ def batch(n: int, length: int, generator: torch.Generator) -> tuple[torch.Tensor
 def build(variant: str, memory_on: bool) -> TitansLM:
     torch.manual_seed(0)
     model = TitansLM(TitansConfig(variant=variant, vocab_size=VOCAB, dim=64, n_layers=2, n_heads=2, window=32,
-                                  n_persistent=4, memory_chunk=8, memory_forget=memory_on))
+                                  n_persistent=4, memory=NeuralMemoryConfig(chunk_size=8, forget=memory_on)))
     if not memory_on:
         for block in model.layers.values():
             block.memory.cfg.max_lr = 0.0

@@ -9,6 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on CPU. Set before anything imports triton
+    # (torchtitan does): triton reads it when each kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.neural_memory import NeuralMemoryConfig
 from models.titans import mac_mask, prefix_window_mask, TitansConfig, TitansLM, VARIANTS
 from param_counts import param_count
 
@@ -14,9 +15,10 @@ VOCAB = 50
 
 def tiny(variant: str, **kw) -> TitansLM:
     torch.manual_seed(0)
-    cfg = dict(variant=variant, vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, window=8, n_persistent=2,
-               memory_chunk=3, memory_expansion=2)
-    model = TitansLM(TitansConfig(**{**cfg, **kw})).double()
+    memory = NeuralMemoryConfig(chunk_size=3, expansion=2, **kw)
+    cfg = TitansConfig(variant=variant, vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, window=8, n_persistent=2,
+                       memory=memory)
+    model = TitansLM(cfg).double()
     with torch.no_grad():  # wake the gates up so every path carries signal
         for block in model.layers.values():
             block.memory.to_gates.weight.normal_(std=0.3)
@@ -49,7 +51,7 @@ def test_information_beyond_the_window_flows_only_through_the_memory(variant):
     changed[:, 0] = (changed[:, 0] + 1) % VOCAB
     written = tiny(variant)
     assert (written(changed)[:, -1] - written(tokens)[:, -1]).abs().max() > 1e-8
-    unwritten = tiny(variant, memory_forget=False)
+    unwritten = tiny(variant, forget=False)
     for block in unwritten.layers.values():
         block.memory.cfg.max_lr = 0.0
     gap = (unwritten(changed)[:, -1] - unwritten(tokens)[:, -1]).abs().max()

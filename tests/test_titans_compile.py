@@ -7,13 +7,14 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from models.neural_memory import NeuralMemoryConfig
 from models.titans import TitansBlock, TitansConfig, VARIANTS
 
 
 def block_and_input(variant: str):
     torch.manual_seed(0)
     cfg = TitansConfig(variant=variant, vocab_size=10, dim=16, n_layers=1, n_heads=2, window=8, n_persistent=2,
-                       memory_chunk=4, memory_expansion=2)
+                       memory=NeuralMemoryConfig(chunk_size=4, expansion=2))
     return TitansBlock(cfg), torch.randn(2, 16, 16, requires_grad=True)
 
 

@@ -15,16 +15,15 @@ untied embeddings, head_dim 64, SwiGLU FFN, memory depth 2 with expansion 4, win
 
 from __future__ import annotations
 
-import dataclasses
-
 from torchtitan.protocols.model_spec import ModelSpec
 
+from models.neural_memory import NeuralMemoryConfig
 from models.titans import TitansConfig, TitansLM, VARIANTS
 from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
 
-PAPER = dict(vocab_size=32000, window=512, memory_chunk=64, n_persistent=4, max_seq_len=131072)
+PAPER = dict(vocab_size=32000, window=512, n_persistent=4, max_seq_len=131072, memory=NeuralMemoryConfig(chunk_size=64))
 FLAVORS = {
-    "debug": dict(vocab_size=4096, dim=128, n_layers=2, n_heads=2, window=64, memory_chunk=16),
+    "debug": dict(vocab_size=4096, dim=128, n_layers=2, n_heads=2, window=64, memory=NeuralMemoryConfig(chunk_size=16)),
     "170m": dict(PAPER, dim=768, n_layers=12, n_heads=12),
     "400m": dict(PAPER, dim=1024, n_layers=18, n_heads=16),
     "760m": dict(PAPER, dim=1536, n_layers=16, n_heads=24),
