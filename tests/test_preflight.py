@@ -18,7 +18,9 @@ def check(args):
 
 
 def test_valid_debug_config_passes(tokenizer_dir, tmp_path):
-    check(DEBUG + ["--dump_folder", str(tmp_path)])
+    config = preflight.parse(DEBUG + ["--dump_folder", str(tmp_path), "--training.steps", "7"])
+    preflight.check(config)  # raises UserError on any problem
+    assert config.training.steps == 7 and config.model_spec.name == "transformer"
 
 
 @pytest.mark.parametrize("args,expected", [
