@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import newton_schulz
+from kernels import memory_update as kernel_memory_update
 
 
 @dataclass
@@ -51,7 +51,7 @@ class NeuralMemoryConfig:
     momentum: bool = True
     forget: bool = True
     newton_schulz_steps: int = 0  # 0: plain update (Titans); 5: Mela eq. 10
-    kernel_backend: str = "auto"  # kernels.newton_schulz backend: auto / triton / torch
+    kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch
     qk_norm: bool = True
     learned_init: bool = True
     max_lr: float = 0.01
@@ -106,12 +106,10 @@ def associative_grads(weights, k: torch.Tensor, v: torch.Tensor, theta: torch.Te
 
 
 def memory_update(weights, momentum, grads, eta: torch.Tensor, alpha: torch.Tensor, ns_steps: int, backend: str = "auto"):
-    """One chunk step: S = eta S - G; M = (1 - alpha) M + [NS](S). eta, alpha (B, H)."""
-    eta, retain = eta[..., None, None], (1 - alpha)[..., None, None]
-    new_momentum = tuple(eta * s - g for s, g in zip(momentum, grads))
-    steps = (newton_schulz(s, ns_steps, backend) if ns_steps else s for s in new_momentum)
-    new_weights = tuple(retain * w + s for w, s in zip(weights, steps))
-    return new_weights, new_momentum
+    """One chunk step for every weight matrix: S = eta S - G; M = (1 - alpha) M + [NS](S).
+    eta, alpha (B, H). Runs through `kernels.memory_update` (fused Triton kernel on GPU)."""
+    updated = [kernel_memory_update(w, s, g, eta, alpha, ns_steps, backend) for w, s, g in zip(weights, momentum, grads)]
+    return tuple(w for w, _ in updated), tuple(s for _, s in updated)
 
 
 def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, ns_steps: int, backend: str = "auto"):

@@ -26,16 +26,6 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan_ext.errors import UserError
 
 
-class PlainModelMixin:
-    """Methods shared by torchtitan wrappers of plain models (mixed in before BaseModel)."""
-
-    def verify_module_protocol(self) -> None:
-        pass
-
-    def init_states(self, *, buffer_device: torch.device | None = None) -> None:
-        self.reset_parameters()
-
-
 def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
     """The torchtitan model class for a plain decoder class and its config dataclass.
 
@@ -45,7 +35,7 @@ def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
     work inside a test-time memory's update is not counted.
     """
 
-    class TorchtitanModel(PlainModelMixin, BaseModel, plain_cls):
+    class TorchtitanModel(BaseModel, plain_cls):
         @dataclass(kw_only=True, slots=True)
         class Config(BaseModel.Config):
             model: plain_config_cls = field(default_factory=plain_config_cls)
@@ -71,6 +61,12 @@ def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
 
         def __init__(self, config):
             plain_cls.__init__(self, config.model)
+
+        def verify_module_protocol(self) -> None:
+            pass  # plain nn.Modules by design
+
+        def init_states(self, *, buffer_device: torch.device | None = None) -> None:
+            self.reset_parameters()
 
     TorchtitanModel.__name__ = TorchtitanModel.__qualname__ = f"Torchtitan{plain_cls.__name__}"
     return TorchtitanModel

@@ -1,4 +1,5 @@
-"""The Triton Newton-Schulz kernel against the torch reference (TRITON_INTERPRET=1 on CPU).
+"""The Triton kernels (Newton-Schulz, fused memory update) against their torch references
+(TRITON_INTERPRET=1 on CPU).
 
 fp32 tolerances: forward 1e-4 absolute, gradients 1e-4 relative to their scale."""
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kernels.newton_schulz import newton_schulz
-from kernels.newton_schulz_triton import newton_schulz_triton  # interpreted on CPU: see conftest.py
+from kernels.triton_kernels import newton_schulz_triton  # interpreted on CPU: see conftest.py
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(3, 16, 16), (2, 20, 48), (2, 48, 20), (4, 2, 17, 33), (1, 64, 256)]
@@ -70,3 +71,53 @@ def test_dispatch_rejects_unknown_backend():
 
     with pytest.raises(ValueError, match="backend 'cuda' unknown"):
         dispatch(torch.randn(4, 4), 5, backend="cuda")
+
+
+UPDATE_SHAPES = [(2, 3, 16, 32), (2, 3, 32, 16), (1, 2, 20, 36)]
+
+
+def update_inputs(shape, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    weight, momentum, grad = (torch.randn(shape, generator=g).to(DEVICE) for _ in range(3))
+    eta, alpha = (torch.rand(shape[:-2], generator=g).to(DEVICE) for _ in range(2))
+    return weight, momentum, grad, eta, alpha
+
+
+@pytest.mark.parametrize("steps", [0, 5])
+@pytest.mark.parametrize("shape", UPDATE_SHAPES, ids=str)
+def test_fused_memory_update_matches_reference(shape, steps):
+    from kernels.memory_update import memory_update_reference
+    from kernels.triton_kernels import memory_update_triton
+
+    inputs = update_inputs(shape)
+    for got, want in zip(memory_update_triton(*inputs, steps), memory_update_reference(*inputs, steps)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", UPDATE_SHAPES[:2], ids=str)
+def test_fused_memory_update_backward_matches_autograd(shape):
+    from kernels.memory_update import memory_update_reference
+    from kernels.triton_kernels import memory_update_triton
+
+    grads = []
+    for fn in (memory_update_triton, memory_update_reference):
+        leaves = [t.clone().requires_grad_() for t in update_inputs(shape)]
+        new_weight, new_momentum = fn(*leaves, 5)
+        (new_weight * 1.5 + new_momentum.sin()).sum().backward()
+        grads.append([leaf.grad for leaf in leaves])
+    for got, want in zip(*grads):
+        scale = want.abs().max()
+        torch.testing.assert_close(got / scale, want / scale, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("break_input,message", [
+    (lambda w, s, g, e, a: (w, s[..., :8], g, e, a), "momentum has shape"),
+    (lambda w, s, g, e, a: (w, s, g.double(), e, a), "grad must be float32"),
+    (lambda w, s, g, e, a: (w, s, g, e[:1], a), "eta has shape"),
+    (lambda w, s, g, e, a: (w.transpose(-1, -2), s, g, e, a), "weight must be contiguous"),
+])
+def test_fused_memory_update_bad_input_names_the_argument(break_input, message):
+    from kernels.triton_kernels import memory_update_triton
+
+    with pytest.raises((TypeError, ValueError), match=message):
+        memory_update_triton(*break_input(*update_inputs((2, 3, 16, 16))), 5)
