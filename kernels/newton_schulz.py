@@ -8,7 +8,9 @@ used by Mela's memory update (002_*.txt, eq. 10):
     repeat `steps` times:  A = X X^T;  B = b A + c A^2;  X = a X + B X
     with (a, b, c) = (3.4445, -4.7750, 2.0315)
 
-Computed in float32 at least (float64 stays float64); the result has the input's dtype.
+`coefficients` is one (a, b, c) for every step or a schedule of one triple per step
+(e.g. LaCT's five, `LACT_SCHEDULE`). Computed in float32 at least (float64 stays
+float64); the result has the input's dtype.
 """
 
 from __future__ import annotations
@@ -16,17 +18,28 @@ from __future__ import annotations
 import torch
 
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+LACT_SCHEDULE = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+                 (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))
 
 
-def newton_schulz(x: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = MUON_COEFFICIENTS) -> torch.Tensor:
+def coefficient_schedule(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
+    """One (a, b, c) per step from a single triple or a schedule of `steps` triples."""
+    if len(coefficients) == 3 and not isinstance(coefficients[0], (tuple, list)):
+        return (tuple(coefficients),) * steps
+    if len(coefficients) != steps:
+        raise ValueError(f"newton_schulz: coefficient schedule has {len(coefficients)} triples for {steps} steps")
+    return tuple(tuple(c) for c in coefficients)
+
+
+def newton_schulz(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
     """x (..., rows, cols) -> same shape, singular values pushed towards 1."""
-    a, b, c = coefficients
+    schedule = coefficient_schedule(coefficients, steps)
     work = x if x.dtype == torch.float64 else x.float()
     tall = work.shape[-2] > work.shape[-1]
     if tall:
         work = work.transpose(-1, -2)
     work = work / (torch.linalg.matrix_norm(work, keepdim=True) + 1e-7)
-    for _ in range(steps):
+    for a, b, c in schedule:
         gram = work @ work.transpose(-1, -2)
         work = a * work + (b * gram + c * gram @ gram) @ work
     if tall:

@@ -21,16 +21,19 @@ import triton
 import triton.language as tl
 
 from kernels.memory_update import memory_update_reference
-from kernels.newton_schulz import MUON_COEFFICIENTS, newton_schulz
+from kernels.newton_schulz import coefficient_schedule, MUON_COEFFICIENTS, newton_schulz
 
 MAX_ROWS, MAX_COLS = 128, 512
 
 
 @triton.jit
-def _orthogonalise(x, a, b, c, STEPS: tl.constexpr, PRECISION: tl.constexpr):
-    """Newton-Schulz on a register tile x (rows <= cols), fp32."""
+def _orthogonalise(x, coef_ptr, STEPS: tl.constexpr, PRECISION: tl.constexpr):
+    """Newton-Schulz on a register tile x (rows <= cols), fp32; coef_ptr: (STEPS, 3)."""
     x = x / (tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0)) + 1e-7)
-    for _ in tl.static_range(STEPS):
+    for i in tl.static_range(STEPS):
+        a = tl.load(coef_ptr + 3 * i)
+        b = tl.load(coef_ptr + 3 * i + 1)
+        c = tl.load(coef_ptr + 3 * i + 2)
         gram = tl.dot(x, tl.trans(x), input_precision=PRECISION)
         poly = b * gram + c * tl.dot(gram, gram, input_precision=PRECISION)
         x = a * x + tl.dot(poly, x, input_precision=PRECISION)
@@ -38,7 +41,7 @@ def _orthogonalise(x, a, b, c, STEPS: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _newton_schulz_kernel(x_ptr, out_ptr, rows, cols, stride_b, stride_r, stride_c, a, b, c,
+def _newton_schulz_kernel(x_ptr, out_ptr, rows, cols, stride_b, stride_r, stride_c, coef_ptr,
                           STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
     matrix = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)[:, None]
@@ -46,13 +49,13 @@ def _newton_schulz_kernel(x_ptr, out_ptr, rows, cols, stride_b, stride_r, stride
     inside = (r < rows) & (col < cols)
     offsets = matrix * stride_b + r * stride_r + col * stride_c
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    x = _orthogonalise(x, a, b, c, STEPS, PRECISION)
+    x = _orthogonalise(x, coef_ptr, STEPS, PRECISION)
     tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
 def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, w_out_ptr, s_out_ptr, rows, cols,
-                          stride_b, stride_r, stride_c, a, b, c,
+                          stride_b, stride_r, stride_c, coef_ptr,
                           STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
     matrix = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)[:, None]
@@ -65,7 +68,7 @@ def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, w_out_ptr, s_
     s = s - tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     tl.store(s_out_ptr + offsets, s.to(s_out_ptr.dtype.element_ty), mask=inside)
     if STEPS > 0:
-        s = _orthogonalise(s, a, b, c, STEPS, PRECISION)
+        s = _orthogonalise(s, coef_ptr, STEPS, PRECISION)
     w = retain * tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32) + s
     tl.store(w_out_ptr + offsets, w.to(w_out_ptr.dtype.element_ty), mask=inside)
 
@@ -82,6 +85,12 @@ def _check(name: str, x: torch.Tensor, like: torch.Tensor | None = None) -> None
         raise ValueError(f"{name} matrices {tuple(x.shape[-2:])} exceed {MAX_ROWS} x {MAX_COLS}; use the torch reference")
     if not x.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+def _coefficients(coefficients, steps: int, like: torch.Tensor) -> torch.Tensor:
+    """The (steps, 3) fp32 schedule on the input's device (at least one row for steps = 0)."""
+    schedule = coefficient_schedule(coefficients, steps) or (MUON_COEFFICIENTS,)
+    return torch.tensor(schedule, dtype=torch.float32, device=like.device)
 
 
 def _launch_geometry(x: torch.Tensor):
@@ -104,7 +113,7 @@ class _NewtonSchulz(torch.autograd.Function):
         ctx.steps, ctx.coefficients = steps, coefficients
         out = torch.empty_like(x)
         grid, geometry, blocks = _launch_geometry(x)
-        _newton_schulz_kernel[grid](x, out, *geometry, *coefficients, STEPS=steps, **blocks)
+        _newton_schulz_kernel[grid](x, out, *geometry, _coefficients(coefficients, steps, x), STEPS=steps, **blocks)
         return out
 
     @staticmethod
@@ -130,7 +139,8 @@ class _MemoryUpdate(torch.autograd.Function):
         new_weight, new_momentum = torch.empty_like(weight), torch.empty_like(momentum)
         grid, geometry, blocks = _launch_geometry(weight)
         _memory_update_kernel[grid](weight, momentum, grad, eta.contiguous(), alpha.contiguous(), new_weight,
-                                    new_momentum, *geometry, *coefficients, STEPS=steps, **blocks)
+                                    new_momentum, *geometry, _coefficients(coefficients, steps, weight), STEPS=steps,
+                                    **blocks)
         return new_weight, new_momentum
 
     @staticmethod
@@ -145,9 +155,9 @@ class _MemoryUpdate(torch.autograd.Function):
 def newton_schulz_triton(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
     """Same contract as `kernels.newton_schulz.newton_schulz`, on a Triton device (or under
     TRITON_INTERPRET=1 on CPU). x (..., rows, cols), contiguous, fp32 or bf16."""
-    return _NewtonSchulz.apply(x, steps, tuple(coefficients))
+    return _NewtonSchulz.apply(x, steps, coefficient_schedule(coefficients, steps))
 
 
 def memory_update_triton(weight, momentum, grad, eta, alpha, steps: int, coefficients=MUON_COEFFICIENTS):
     """Same contract as `kernels.memory_update.memory_update_reference`, fused in one kernel."""
-    return _MemoryUpdate.apply(weight, momentum, grad, eta, alpha, steps, tuple(coefficients))
+    return _MemoryUpdate.apply(weight, momentum, grad, eta, alpha, steps, coefficient_schedule(coefficients, steps))

@@ -121,3 +121,13 @@ def test_fused_memory_update_bad_input_names_the_argument(break_input, message):
 
     with pytest.raises((TypeError, ValueError), match=message):
         memory_update_triton(*break_input(*update_inputs((2, 3, 16, 16))), 5)
+
+
+def test_coefficient_schedules_match_between_kernel_and_reference():
+    from kernels.newton_schulz import LACT_SCHEDULE
+
+    x = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    torch.testing.assert_close(newton_schulz_triton(x, 5, LACT_SCHEDULE), newton_schulz(x, 5, LACT_SCHEDULE), atol=1e-4, rtol=1e-4)
+    assert (newton_schulz(x, 5, LACT_SCHEDULE) - newton_schulz(x, 5)).abs().max() > 1e-3  # the schedule is used
+    with pytest.raises(ValueError, match="3 triples for 5 steps"):
+        newton_schulz(x, 5, LACT_SCHEDULE[:3])
