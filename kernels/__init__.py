@@ -3,11 +3,15 @@
 - `newton_schulz(x, steps, backend)`: Muon's Newton-Schulz iteration.
 - `memory_update(weight, momentum, grad, eta, alpha, ns_steps, backend)`: the memory's
   per-chunk step S' = eta S - G, M' = (1 - alpha) M + NS(S'), fused in one kernel.
-backend "auto" runs the Triton kernel on CUDA tensors it supports and the torch reference
-otherwise; "triton" / "torch" force one (tests force "triton" on CPU under TRITON_INTERPRET=1).
+backend "auto" runs the Triton kernel on CUDA tensors it supports and the eager torch
+reference otherwise; "triton", "torch" (eager reference) and "compiled" (the reference
+through torch.compile, compiled once per shape) force one. Tests force "triton" on CPU
+under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -15,7 +19,12 @@ from kernels.memory_update import memory_update_reference
 from kernels.newton_schulz import MUON_COEFFICIENTS
 from kernels.newton_schulz import newton_schulz as newton_schulz_reference
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "compiled")
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
 
 
 def _triton_supports(x: torch.Tensor) -> bool:
@@ -37,7 +46,8 @@ def newton_schulz(x: torch.Tensor, steps: int = 5, backend: str = "auto", coeffi
         from kernels.triton_kernels import newton_schulz_triton
 
         return newton_schulz_triton(x.contiguous(), steps, coefficients)
-    return newton_schulz_reference(x, steps, coefficients)
+    reference = _compiled(newton_schulz_reference) if backend == "compiled" else newton_schulz_reference
+    return reference(x, steps, coefficients)
 
 
 def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: str = "auto"):
@@ -46,4 +56,5 @@ def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: st
         from kernels.triton_kernels import memory_update_triton
 
         return memory_update_triton(weight.contiguous(), momentum.contiguous(), grad.contiguous(), eta, alpha, ns_steps)
-    return memory_update_reference(weight, momentum, grad, eta, alpha, ns_steps)
+    reference = _compiled(memory_update_reference) if backend == "compiled" else memory_update_reference
+    return reference(weight, momentum, grad, eta, alpha, ns_steps)

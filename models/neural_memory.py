@@ -51,7 +51,7 @@ class NeuralMemoryConfig:
     momentum: bool = True
     forget: bool = True
     newton_schulz_steps: int = 0  # 0: plain update (Titans); 5: Mela eq. 10
-    kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch
+    kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled
     qk_norm: bool = True
     learned_init: bool = True
     max_lr: float = 0.01

@@ -131,3 +131,13 @@ def test_coefficient_schedules_match_between_kernel_and_reference():
     assert (newton_schulz(x, 5, LACT_SCHEDULE) - newton_schulz(x, 5)).abs().max() > 1e-3  # the schedule is used
     with pytest.raises(ValueError, match="3 triples for 5 steps"):
         newton_schulz(x, 5, LACT_SCHEDULE[:3])
+
+
+@pytest.mark.slow
+def test_compiled_torch_path_matches_eager_reference():
+    from kernels import memory_update
+    from kernels.memory_update import memory_update_reference
+
+    inputs = update_inputs((2, 2, 16, 32))
+    for got, want in zip(memory_update(*inputs, 5, backend="compiled"), memory_update_reference(*inputs, 5)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
