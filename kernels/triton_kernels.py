@@ -16,6 +16,8 @@ memory's forward and backward).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -74,6 +76,9 @@ def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, w_out_ptr, s_
 
 
 def _check(name: str, x: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{name} is on {x.device}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
+                         "use backend='torch'")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{name} must be float32 or bfloat16, got {x.dtype}")
     if x.dim() < 2:

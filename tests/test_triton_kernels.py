@@ -141,3 +141,9 @@ def test_compiled_torch_path_matches_eager_reference():
     inputs = update_inputs((2, 2, 16, 32))
     for got, want in zip(memory_update(*inputs, 5, backend="compiled"), memory_update_reference(*inputs, 5)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_device_is_named(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="x is on cpu: the Triton kernels need a CUDA device"):
+        newton_schulz_triton(torch.randn(16, 16), 5)
