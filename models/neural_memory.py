@@ -30,6 +30,7 @@ Choices where the papers are silent (tested):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,6 +53,7 @@ class NeuralMemoryConfig:
     forget: bool = True
     newton_schulz_steps: int = 0  # 0: plain update (Titans); 5: Mela eq. 10
     kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled
+    compiled_chunk_step: bool = False  # torch.compile each chunk step (CPU fast path; compiles once per shape)
     qk_norm: bool = True
     learned_init: bool = True
     max_lr: float = 0.01
@@ -112,7 +114,24 @@ def memory_update(weights, momentum, grads, eta: torch.Tensor, alpha: torch.Tens
     return tuple(w for w, _ in updated), tuple(s for _, s in updated)
 
 
-def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, ns_steps: int, backend: str = "auto"):
+def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, eta_c, alpha_c, ns_steps: int, backend: str):
+    """One chunk: its tokens read the state left by the previous chunk, then the chunk is
+    written. q_c, k_c, v_c (B, H, C, d); theta_c, eta_c, alpha_c (B, H, C).
+    Returns (y_c, new weights, new momentum)."""
+    y_c = mlp_forward(weights, q_c)[0]
+    grads = associative_grads(weights, k_c, v_c, theta_c)
+    weights, momentum = memory_update(weights, momentum, grads, eta_c.mean(-1), alpha_c.mean(-1), ns_steps, backend)
+    return y_c, weights, momentum
+
+
+@functools.cache
+def compiled_chunk_step():
+    """`chunk_step` through torch.compile (fused elementwise work; one graph per shape)."""
+    return torch.compile(chunk_step, dynamic=False, fullgraph=True)
+
+
+def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, ns_steps: int, backend: str = "auto",
+                   compiled: bool = False):
     """Read and write a stream. q (B, H, T, d) are the new tokens' queries; k, v, theta,
     eta, alpha cover pending + new tokens (p + T). Returns y (B, H, T, d), new state."""
     pending = state.pending[0].shape[2]
@@ -123,11 +142,11 @@ def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, n
     # scatter every chunk's gradient into a full-length zero tensor (quadratic in T).
     per_chunk = [t[:, :, :full].unflatten(2, (-1, chunk)).unbind(2) for t in (q, k, v, theta, eta, alpha)]
     weights, momentum = state.weights, state.momentum
+    step = compiled_chunk_step() if compiled else chunk_step
     outputs = []
-    for q_c, k_c, v_c, theta_c, eta_c, alpha_c in zip(*per_chunk):
-        outputs.append(mlp_forward(weights, q_c)[0])
-        grads = associative_grads(weights, k_c, v_c, theta_c)
-        weights, momentum = memory_update(weights, momentum, grads, eta_c.mean(-1), alpha_c.mean(-1), ns_steps, backend)
+    for chunk_inputs in zip(*per_chunk):
+        y_c, weights, momentum = step(weights, momentum, *chunk_inputs, ns_steps, backend)
+        outputs.append(y_c)
     if full < total:
         outputs.append(mlp_forward(weights, q[:, :, full:])[0])
     y = torch.cat(outputs, 2)[:, :, pending:]
@@ -214,7 +233,7 @@ class NeuralMemory(nn.Module):
         new = (k, v, theta, eta, alpha)
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
         y, state = chunked_memory(state, self.queries(x), *stream, cfg.chunk_size, cfg.newton_schulz_steps,
-                                  cfg.kernel_backend)
+                                  cfg.kernel_backend, cfg.compiled_chunk_step)
         # Diagnostics of the last forward (Frobenius norms over all weights / momenta).
         self.last_weight_norm = torch.stack([w.detach().norm() for w in state.weights]).norm()
         self.last_momentum_norm = torch.stack([s.detach().norm() for s in state.momentum]).norm()

@@ -216,3 +216,16 @@ def test_newton_schulz_matches_muon_and_pushes_singular_values_to_one():
     assert s.min() > 0.6 and s.max() < 1.25
     before = torch.linalg.svdvals(x / torch.linalg.matrix_norm(x, keepdim=True))
     assert (s - 1).abs().max() < (before - 1).abs().max()
+
+
+@pytest.mark.slow
+def test_compiled_chunk_step_matches_eager():
+    torch.set_default_dtype(torch.float32)
+    results = []
+    for compiled in (False, True):
+        memory = make_memory(newton_schulz_steps=5, compiled_chunk_step=compiled).float()
+        y, state = memory(torch.randn(2, 17, 12, generator=torch.Generator().manual_seed(0)))
+        y.square().sum().backward()
+        results.append([y.detach(), *state.weights] + [p.grad for p in memory.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
