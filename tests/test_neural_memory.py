@@ -220,12 +220,11 @@ def test_newton_schulz_matches_muon_and_pushes_singular_values_to_one():
 
 @pytest.mark.slow
 def test_compiled_chunk_step_matches_eager():
-    torch.set_default_dtype(torch.float32)
     results = []
-    for compiled in (False, True):
-        memory = make_memory(newton_schulz_steps=5, compiled_chunk_step=compiled).float()
+    for compiled in (False, True):  # float64: fp32 rounding differences grow through 5 Newton-Schulz steps
+        memory = make_memory(newton_schulz_steps=5, compiled_chunk_step=compiled)
         y, state = memory(torch.randn(2, 17, 12, generator=torch.Generator().manual_seed(0)))
         y.square().sum().backward()
         results.append([y.detach(), *state.weights] + [p.grad for p in memory.parameters()])
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
