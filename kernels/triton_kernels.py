@@ -43,13 +43,18 @@ def _orthogonalise(x, coef_ptr, STEPS: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _matrix_tile(matrix, rows, cols, stride_b, stride_r, stride_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Element offsets of this program's matrix, read as (rows, cols), and the in-bounds mask."""
+    r = tl.arange(0, BLOCK_R)[:, None]
+    col = tl.arange(0, BLOCK_C)[None, :]
+    return matrix * stride_b + r * stride_r + col * stride_c, (r < rows) & (col < cols)
+
+
+@triton.jit
 def _newton_schulz_kernel(x_ptr, out_ptr, rows, cols, stride_b, stride_r, stride_c, coef_ptr,
                           STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
     matrix = tl.program_id(0)
-    r = tl.arange(0, BLOCK_R)[:, None]
-    col = tl.arange(0, BLOCK_C)[None, :]
-    inside = (r < rows) & (col < cols)
-    offsets = matrix * stride_b + r * stride_r + col * stride_c
+    offsets, inside = _matrix_tile(matrix, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_C)
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     x = _orthogonalise(x, coef_ptr, STEPS, PRECISION)
     tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=inside)
@@ -60,10 +65,7 @@ def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, w_out_ptr, s_
                           stride_b, stride_r, stride_c, coef_ptr,
                           STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
     matrix = tl.program_id(0)
-    r = tl.arange(0, BLOCK_R)[:, None]
-    col = tl.arange(0, BLOCK_C)[None, :]
-    inside = (r < rows) & (col < cols)
-    offsets = matrix * stride_b + r * stride_r + col * stride_c
+    offsets, inside = _matrix_tile(matrix, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_C)
     eta = tl.load(eta_ptr + matrix).to(tl.float32)
     retain = 1.0 - tl.load(alpha_ptr + matrix).to(tl.float32)
     s = eta * tl.load(s_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
