@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Make or update .venv with the project's pinned dependencies. Idempotent: when
-# pyproject.toml has not changed since the last successful run, it returns at once.
+# pyproject.toml and EXTRAS (e.g. EXTRAS=bench) have not changed since the last successful
+# run, it returns at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.setup-stamp
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) extras=${EXTRAS:-}"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
