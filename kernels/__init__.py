@@ -3,10 +3,13 @@
 - `newton_schulz(x, steps, backend)`: Muon's Newton-Schulz iteration.
 - `memory_update(weight, momentum, grad, eta, alpha, ns_steps, backend)`: the memory's
   per-chunk step S' = eta S - G, M' = (1 - alpha) M + NS(S'), fused in one kernel.
-backend "auto" runs the Triton kernel on CUDA tensors it supports and the eager torch
-reference otherwise; "triton", "torch" (eager reference) and "compiled" (the reference
-through torch.compile, compiled once per shape) force one. Tests force "triton" on CPU
-under TRITON_INTERPRET=1.
+backend "auto" runs a Triton kernel on CUDA tensors (fp32, bf16) and the eager torch
+reference otherwise: the single-tile kernel when the matrices fit one program (up to
+128 x 512, either orientation), else for `newton_schulz` the blocked kernel (any size,
+upper-triangular Gram blocks; `memory_update` falls back to torch). "triton" (single tile),
+"triton_blocked" (blocked, `newton_schulz` only), "torch" (eager reference) and "compiled"
+(the reference through torch.compile, compiled once per shape) force one. Tests force the
+Triton backends on CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from kernels.memory_update import memory_update_reference
 from kernels.newton_schulz import MUON_COEFFICIENTS
 from kernels.newton_schulz import newton_schulz as newton_schulz_reference
 
-BACKENDS = ("auto", "triton", "torch", "compiled")
+BACKENDS = ("auto", "triton", "triton_blocked", "torch", "compiled")  # newton_schulz
+MEMORY_UPDATE_BACKENDS = tuple(b for b in BACKENDS if b != "triton_blocked")
 
 
 @functools.cache
@@ -27,32 +31,45 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _triton_supports(x: torch.Tensor) -> bool:
+def _fits_tile(x: torch.Tensor) -> bool:
     from kernels.triton_kernels import MAX_COLS, MAX_ROWS
 
     small, large = sorted(x.shape[-2:])
-    return x.dtype in (torch.float32, torch.bfloat16) and small <= MAX_ROWS and large <= MAX_COLS
+    return small <= MAX_ROWS and large <= MAX_COLS
 
 
-def _use_triton(op: str, backend: str, x: torch.Tensor) -> bool:
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: backend '{backend}' unknown: choose one of {BACKENDS}")
-    return backend == "triton" or (backend == "auto" and x.is_cuda and _triton_supports(x))
+def _resolve(op: str, backend: str, x: torch.Tensor, choices: tuple[str, ...]) -> str:
+    """The backend that runs `op` on x (..., rows, cols): `backend` itself unless it is "auto"."""
+    if backend not in choices:
+        raise ValueError(f"{op}: backend '{backend}' unknown: choose one of {choices}")
+    if backend != "auto":
+        return backend
+    if not x.is_cuda or x.dtype not in (torch.float32, torch.bfloat16):
+        return "torch"
+    if _fits_tile(x):
+        return "triton"
+    return "triton_blocked" if "triton_blocked" in choices else "torch"
 
 
 def newton_schulz(x: torch.Tensor, steps: int = 5, backend: str = "auto", coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
     """Muon's quintic Newton-Schulz iteration on each matrix of x (..., rows, cols)."""
-    if _use_triton("newton_schulz", backend, x):
+    backend = _resolve("newton_schulz", backend, x, BACKENDS)
+    if backend == "triton":
         from kernels.triton_kernels import newton_schulz_triton
 
         return newton_schulz_triton(x.contiguous(), steps, coefficients)
+    if backend == "triton_blocked":
+        from kernels.triton_kernels import newton_schulz_blocked
+
+        return newton_schulz_blocked(x.contiguous(), steps, coefficients)
     reference = _compiled(newton_schulz_reference) if backend == "compiled" else newton_schulz_reference
     return reference(x, steps, coefficients)
 
 
 def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: str = "auto"):
     """(new weight, new momentum) of one chunk step; see kernels/memory_update.py."""
-    if _use_triton("memory_update", backend, weight):
+    backend = _resolve("memory_update", backend, weight, MEMORY_UPDATE_BACKENDS)
+    if backend == "triton":
         from kernels.triton_kernels import memory_update_triton
 
         return memory_update_triton(weight.contiguous(), momentum.contiguous(), grad.contiguous(), eta, alpha, ns_steps)

@@ -1,12 +1,25 @@
 """Triton kernels for Newton-Schulz orthogonalisation and the fused memory-update step.
 
-One program holds one whole matrix (oriented so that rows <= cols, by reading it through
-swapped strides: no transpose copies; rows <= 128, cols <= 512, the sizes of the
-memories' fast weights) in registers, and runs the Frobenius normalisation and all
-`steps` quintic iterations (`kernels/newton_schulz.py` states the iteration) without
-leaving the chip. The fused update (`kernels/memory_update.py` states it) also reads the
-weight, momentum and gradient and writes the new weight and momentum in the same program.
-Inputs fp32 or bf16, accumulation in fp32 (fp32 dots in IEEE precision, not TF32).
+Matrices are read oriented so that rows <= cols, tall ones through swapped strides (no
+transpose copies). Two Newton-Schulz paths (`kernels/newton_schulz.py` states the iteration):
+
+- Single tile (`newton_schulz_triton`, and the fused update): one program holds one whole
+  matrix (rows <= 128, cols <= 512, the sizes of the memories' fast weights) in registers
+  and runs the Frobenius normalisation and all `steps` quintic iterations without leaving
+  the chip, each Gram product X X^T in one dot. For small matrices the launch and the
+  round trips to memory cost more than the arithmetic, so keeping everything on chip wins,
+  and the full Gram costs less than splitting it. The fused update (`kernels/memory_update.py`
+  states it) also reads the weight, momentum and gradient and writes the new weight and
+  momentum in the same program.
+- Blocked (`newton_schulz_blocked`, any size): per step two Gram products by
+  `_symmetric_gram_kernel`, A = X X^T and B = b A + c A A^T (A is symmetric, so A^2 = A A^T
+  is a Gram product too), and X = a X + B X by torch. A Gram product is symmetric, so the
+  kernel computes only the upper-triangular blocks (one program per block pair i <= j,
+  n (n + 1) / 2 of the n^2), looping over the columns, and writes each block to (i, j) and
+  mirrored to (j, i): about half the multiply-adds, and an exactly symmetric result.
+
+Inputs fp32 or bf16, accumulation in fp32 (fp32 dots in IEEE precision in the blocked
+path; the single tile uses TF32 for bf16 inputs).
 
 Backward: recompute. It re-runs the torch reference under autograd and differentiates
 it, storing nothing but the inputs (saving the `steps` iterates instead would keep
@@ -16,6 +29,7 @@ memory's forward and backward).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,9 +37,9 @@ import triton
 import triton.language as tl
 
 from kernels.memory_update import memory_update_reference
-from kernels.newton_schulz import coefficient_schedule, MUON_COEFFICIENTS, newton_schulz
+from kernels.newton_schulz import MUON_COEFFICIENTS, coefficient_schedule, newton_schulz
 
-MAX_ROWS, MAX_COLS = 128, 512
+MAX_ROWS, MAX_COLS = 128, 512  # single-tile path
 
 
 @triton.jit
@@ -77,7 +91,40 @@ def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, w_out_ptr, s_
     tl.store(w_out_ptr + offsets, w.to(w_out_ptr.dtype.element_ty), mask=inside)
 
 
-def _check(name: str, x: torch.Tensor, like: torch.Tensor | None = None) -> None:
+@triton.jit
+def _symmetric_gram_kernel(x_ptr, cin_ptr, out_ptr, pairs_ptr, n_pairs, rows, cols, stride_b, stride_r, stride_c,
+                           alpha, beta, HAS_CIN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OUT = beta Cin + alpha X X^T on block pair `pairs[:, program_id(1)]` = (i, j), i <= j, of
+    matrix program_id(0), written to block (i, j) and mirrored to (j, i). x (batch, rows, cols)
+    through its strides; cin (read only if HAS_CIN, symmetric: only its upper triangle is read)
+    and out contiguous (batch, rows, rows); pairs (2, n_pairs) int32."""
+    matrix = tl.program_id(0).to(tl.int64)  # no size limit on this path: batch offsets in int64
+    pair = tl.program_id(1)
+    ri = tl.load(pairs_ptr + pair) * BLOCK + tl.arange(0, BLOCK)
+    rj = tl.load(pairs_ptr + n_pairs + pair) * BLOCK + tl.arange(0, BLOCK)
+    xi_ptr = x_ptr + matrix * stride_b + ri[:, None] * stride_r
+    xj_ptr = x_ptr + matrix * stride_b + rj[:, None] * stride_r
+    in_i, in_j = ri[:, None] < rows, rj[:, None] < rows
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k0 in range(0, cols, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        xi = tl.load(xi_ptr + k * stride_c, mask=in_i & (k < cols), other=0.0).to(tl.float32)
+        xj = tl.load(xj_ptr + k * stride_c, mask=in_j & (k < cols), other=0.0).to(tl.float32)
+        acc = tl.dot(xi, tl.trans(xj), acc, input_precision="ieee")  # fp32 products, not rounded to TF32
+    # the upper triangle of the whole matrix: all of an off-diagonal block, half of a diagonal one
+    upper = (ri[:, None] <= rj[None, :]) & (rj[None, :] < rows)
+    block = matrix * rows * rows + ri[:, None] * rows + rj[None, :]
+    mirror = matrix * rows * rows + rj[None, :] * rows + ri[:, None]
+    acc = alpha * acc
+    if HAS_CIN:
+        acc += beta * tl.load(cin_ptr + block, mask=upper, other=0.0).to(tl.float32)
+    tl.store(out_ptr + block, acc, mask=upper)
+    tl.store(out_ptr + mirror, acc, mask=upper)
+
+
+def _check(name: str, x: torch.Tensor, like: torch.Tensor | None = None, fits_tile: bool = True) -> None:
+    """Raise a ValueError / TypeError naming `name` unless x suits the kernels (`like`: same
+    shape and device; `fits_tile`: matrices within the single-tile limit)."""
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{name} is on {x.device}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
                          "use backend='torch'")
@@ -88,10 +135,16 @@ def _check(name: str, x: torch.Tensor, like: torch.Tensor | None = None) -> None
     if like is not None and (x.shape != like.shape or x.device != like.device):
         raise ValueError(f"{name} has shape {tuple(x.shape)} on {x.device}; expected {tuple(like.shape)} on {like.device}")
     small, large = sorted(x.shape[-2:])
-    if small > MAX_ROWS or large > MAX_COLS:
-        raise ValueError(f"{name} matrices {tuple(x.shape[-2:])} exceed {MAX_ROWS} x {MAX_COLS}; use the torch reference")
+    if fits_tile and (small > MAX_ROWS or large > MAX_COLS):
+        raise ValueError(f"{name} matrices {tuple(x.shape[-2:])} exceed {MAX_ROWS} x {MAX_COLS}; "
+                         "use newton_schulz_blocked or the torch reference")
     if not x.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+def _check_block(name: str, block: int) -> None:
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"{name}: block must be a power of two >= 16 (tl.dot's smallest tile), got {block}")
 
 
 def _coefficients(coefficients, steps: int, like: torch.Tensor) -> torch.Tensor:
@@ -100,28 +153,84 @@ def _coefficients(coefficients, steps: int, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(schedule, dtype=torch.float32, device=like.device)
 
 
-def _launch_geometry(x: torch.Tensor):
-    """(batch, rows, cols, strides) reading each matrix so that rows <= cols, and block sizes."""
+def _oriented(x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(batch, rows, cols, stride_b, stride_r, stride_c) reading x (..., r, c) as a batch of
+    matrices with rows <= cols: tall ones transposed, through swapped strides."""
     flat = x.view(-1, *x.shape[-2:])
     batch, rows, cols = flat.shape
     stride_b, stride_r, stride_c = flat.stride()
-    if rows > cols:  # tall: read transposed through swapped strides
-        rows, cols, stride_r, stride_c = cols, rows, stride_c, stride_r
-    blocks = dict(BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_C=max(16, triton.next_power_of_2(cols)),
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    return (batch,), (rows, cols, stride_b, stride_r, stride_c), blocks
+    if rows > cols:
+        return batch, cols, rows, stride_b, stride_c, stride_r
+    return batch, rows, cols, stride_b, stride_r, stride_c
+
+
+def _launch_geometry(x: torch.Tensor):
+    """Single-tile launch: grid (batch,), (rows, cols, strides) as `_oriented`, and block sizes."""
+    batch, rows, cols, *strides = _oriented(x)
+    blocks = {"BLOCK_R": max(16, triton.next_power_of_2(rows)), "BLOCK_C": max(16, triton.next_power_of_2(cols)),
+              "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    return (batch,), (rows, cols, *strides), blocks
+
+
+@functools.cache
+def upper_block_pairs(n_blocks: int, device: torch.device) -> torch.Tensor:
+    """(2, n (n + 1) / 2) int32 on `device`: block row i (first row) and block column j (second
+    row) of every upper-triangular block pair i <= j, row by row."""
+    return torch.triu_indices(n_blocks, n_blocks, dtype=torch.int32, device=device)
+
+
+def symmetric_gram(x: torch.Tensor, cin: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
+                   block: int = 64) -> torch.Tensor:
+    """beta * cin + alpha * X X^T for each matrix X of x (..., r, c) read with rows <= cols
+    (tall ones as X^T, through swapped strides), computing only the upper-triangular
+    `block` x `block` blocks and mirroring them. x fp32 or bf16, contiguous; cin None or
+    symmetric (..., n, n), n = min(r, c), contiguous (only its upper triangle is read).
+    Returns (..., n, n) fp32, exactly symmetric."""
+    _check("symmetric_gram: x", x, fits_tile=False)
+    _check_block("symmetric_gram", block)
+    batch, rows, cols, *strides = _oriented(x)
+    out = torch.empty(*x.shape[:-2], rows, rows, dtype=torch.float32, device=x.device)
+    if cin is not None:
+        _check("symmetric_gram: cin", cin, out, fits_tile=False)
+    pairs = upper_block_pairs(triton.cdiv(rows, block), x.device)
+    _symmetric_gram_kernel[(batch, pairs.shape[1])](x, out if cin is None else cin, out, pairs, pairs.shape[1], rows,
+                                                     cols, *strides, alpha, beta, HAS_CIN=cin is not None,
+                                                     BLOCK=block, BLOCK_K=block)
+    return out
+
+
+def _newton_schulz_tile(x: torch.Tensor, schedule) -> torch.Tensor:
+    """The whole iteration in one program per matrix; x (..., rows, cols) -> same shape and dtype."""
+    out = torch.empty_like(x)
+    grid, geometry, blocks = _launch_geometry(x)
+    _newton_schulz_kernel[grid](x, out, *geometry, _coefficients(schedule, len(schedule), x), STEPS=len(schedule),
+                                **blocks)
+    return out
+
+
+def _newton_schulz_blocks(x: torch.Tensor, schedule, block: int) -> torch.Tensor:
+    """Per step: Gram products by `symmetric_gram`, the update by torch in fp32; x (..., rows,
+    cols) -> same shape and dtype. Tall X is iterated in its own layout: for W = X^T the
+    reference's W <- a W + B W is X <- a X + X B (B symmetric)."""
+    work = x.float()
+    work = (work / (torch.linalg.matrix_norm(work, keepdim=True) + 1e-7)).view(-1, *x.shape[-2:])
+    tall = work.shape[-2] > work.shape[-1]
+    for a, b, c in schedule:
+        gram = symmetric_gram(work, block=block)
+        poly = symmetric_gram(gram, gram, alpha=c, beta=b, block=block)
+        work = torch.baddbmm(work, work, poly, beta=a) if tall else torch.baddbmm(work, poly, work, beta=a)
+    return work.view(x.shape).to(x.dtype)
 
 
 class _NewtonSchulz(torch.autograd.Function):
+    """Forward by the single-tile kernel (block None) or the blocked path (square blocks of
+    `block` rows); backward by recomputing the torch reference."""
+
     @staticmethod
-    def forward(ctx, x, steps, coefficients):
-        _check("newton_schulz_triton: x", x)
+    def forward(ctx, x, steps, coefficients, block):
         ctx.save_for_backward(x)
         ctx.steps, ctx.coefficients = steps, coefficients
-        out = torch.empty_like(x)
-        grid, geometry, blocks = _launch_geometry(x)
-        _newton_schulz_kernel[grid](x, out, *geometry, _coefficients(coefficients, steps, x), STEPS=steps, **blocks)
-        return out
+        return _newton_schulz_tile(x, coefficients) if block is None else _newton_schulz_blocks(x, coefficients, block)
 
     @staticmethod
     def backward(ctx, grad):
@@ -129,7 +238,7 @@ class _NewtonSchulz(torch.autograd.Function):
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
             (dx,) = torch.autograd.grad(newton_schulz(leaf, ctx.steps, ctx.coefficients), leaf, grad)
-        return dx, None, None
+        return dx, None, None, None
 
 
 class _MemoryUpdate(torch.autograd.Function):
@@ -161,8 +270,19 @@ class _MemoryUpdate(torch.autograd.Function):
 
 def newton_schulz_triton(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
     """Same contract as `kernels.newton_schulz.newton_schulz`, on a Triton device (or under
-    TRITON_INTERPRET=1 on CPU). x (..., rows, cols), contiguous, fp32 or bf16."""
-    return _NewtonSchulz.apply(x, steps, coefficient_schedule(coefficients, steps))
+    TRITON_INTERPRET=1 on CPU). x (..., rows, cols), contiguous, fp32 or bf16, each matrix
+    within MAX_ROWS x MAX_COLS (either orientation): the single-tile kernel."""
+    _check("newton_schulz_triton: x", x)
+    return _NewtonSchulz.apply(x, steps, coefficient_schedule(coefficients, steps), None)
+
+
+def newton_schulz_blocked(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS,
+                          block: int = 64) -> torch.Tensor:
+    """As `newton_schulz_triton` for matrices of any size: the blocked path, Gram products
+    in square blocks of `block` rows (a power of two >= 16), upper triangle only."""
+    _check("newton_schulz_blocked: x", x, fits_tile=False)
+    _check_block("newton_schulz_blocked", block)
+    return _NewtonSchulz.apply(x, steps, coefficient_schedule(coefficients, steps), block)
 
 
 def memory_update_triton(weight, momentum, grad, eta, alpha, steps: int, coefficients=MUON_COEFFICIENTS):

@@ -2,9 +2,10 @@
 
 On CPU: the compiled torch path against the eager torch reference (ratio), and achieved
 FLOP/s against this machine's fp32 matmul FLOP/s measured in the same run. On CUDA (when
-present) also the Triton kernels against the torch reference. Shapes: the fast weights of a
-depth-2 memory with head_dim 64, expansion 4: 16 matrices (batch 4 x 4 heads) of 64 x 256
-and 256 x 64, 5 Newton-Schulz steps.
+present) also the Triton kernels against the torch reference: the single-tile kernels and,
+for Newton-Schulz, the blocked path (upper-triangular Gram blocks, any size). Shapes: the
+fast weights of a depth-2 memory with head_dim 64, expansion 4: 16 matrices (batch 4 x 4
+heads) of 64 x 256 and 256 x 64, 5 Newton-Schulz steps.
 
     python scripts/bench_kernels.py [--repeats 20]
 """
@@ -19,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import memory_update, newton_schulz  # noqa: E402
+from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, memory_update, newton_schulz  # noqa: E402
 from torchtitan_ext.cpu import measured_matmul_flops  # noqa: E402
 
 BATCH, STEPS = (4, 4), 5
@@ -57,8 +58,8 @@ def cases(device: str):
             new_w, new_s = memory_update(w, s, grad, eta, alpha, STEPS, backend)
             (new_w.sum() + new_s.sum()).backward()
 
-        yield f"newton_schulz {rows}x{cols}", ns, rows, cols
-        yield f"memory_update {rows}x{cols}", update, rows, cols
+        yield f"newton_schulz {rows}x{cols}", ns, rows, cols, BACKENDS
+        yield f"memory_update {rows}x{cols}", update, rows, cols, MEMORY_UPDATE_BACKENDS
 
 
 def main() -> None:
@@ -69,13 +70,13 @@ def main() -> None:
     print(f"fp32 matmul peak (2048^3, measured now): {peak / 1e9:.1f} GFLOP/s")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    backends = ["torch", "compiled"] + (["triton"] if device == "cuda" else [])
-    print(f"{'op (16 matrices)':<26}" + "".join(f"{b + ' ms':>12}" for b in backends) + f"{'compiled/eager':>16}{'GFLOP/s (best)':>16}{'of peak':>9}")
-    for name, fn, rows, cols in cases(device):
-        ms = {b: 1e3 * timed(lambda b=b: fn(b), args.repeats, sync) for b in backends}
+    backends = ["torch", "compiled"] + (["triton", "triton_blocked"] if device == "cuda" else [])
+    print(f"{'op (16 matrices)':<26}" + "".join(f"{b + ' ms':>18}" for b in backends) + f"{'compiled/eager':>16}{'GFLOP/s (best)':>16}{'of peak':>9}")
+    for name, fn, rows, cols, supported in cases(device):
+        ms = {b: 1e3 * timed(lambda b=b: fn(b), args.repeats, sync) for b in backends if b in supported}
         flops = 3 * newton_schulz_flops(rows, cols) * BATCH[0] * BATCH[1]  # forward + backward ~ 3x forward
         best = min(ms.values()) / 1e3
-        print(f"{name:<26}" + "".join(f"{ms[b]:>12.3f}" for b in backends)
+        print(f"{name:<26}" + "".join(f"{ms[b]:>18.3f}" if b in ms else f"{'-':>18}" for b in backends)
               + f"{ms['torch'] / ms['compiled']:>15.2f}x{flops / best / 1e9:>16.1f}{flops / best / peak:>8.1%}")
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from kernels.newton_schulz import newton_schulz
-from kernels.triton_kernels import newton_schulz_triton  # interpreted on CPU: see conftest.py
+
+# interpreted on CPU: see conftest.py
+from kernels.triton_kernels import newton_schulz_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(3, 16, 16), (2, 20, 48), (2, 48, 20), (4, 2, 17, 33), (1, 64, 256)]
@@ -147,3 +149,129 @@ def test_unsupported_device_is_named(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="x is on cpu: the Triton kernels need a CUDA device"):
         newton_schulz_triton(torch.randn(16, 16), 5)
+
+
+# Blocked path: block 16 so that every shape has several blocks; 2 steps keep the interpreter fast.
+BLOCKED_SHAPES = [(2, 40, 70), (3, 70, 40), (1, 33, 33), (2, 2, 17, 50)]
+
+
+def blocked(x, steps=2, coefficients=None):
+    from kernels.triton_kernels import newton_schulz_blocked
+
+    return newton_schulz_blocked(x, steps, *([coefficients] if coefficients else []), block=16)
+
+
+@pytest.mark.parametrize("shape", BLOCKED_SHAPES, ids=str)
+def test_blocked_forward_matches_reference(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    torch.testing.assert_close(blocked(x), newton_schulz(x, 2), atol=1e-4, rtol=1e-4)
+
+
+def test_blocked_path_has_no_size_limit_and_follows_the_schedule():
+    from kernels.newton_schulz import LACT_SCHEDULE
+    from kernels.triton_kernels import newton_schulz_blocked
+
+    x = torch.randn(130, 520, generator=torch.Generator().manual_seed(8)).to(DEVICE)  # over MAX_ROWS x MAX_COLS
+    schedule = LACT_SCHEDULE[:1]
+    torch.testing.assert_close(newton_schulz_blocked(x, 1, schedule), newton_schulz(x, 1, schedule), atol=1e-4, rtol=1e-4)
+
+
+def test_blocked_backward_matches_autograd_through_reference():
+    x = torch.randn(2, 40, 20, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    leaf_kernel, leaf_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    blocked(leaf_kernel).backward(grad)
+    newton_schulz(leaf_ref, 2).backward(grad)
+    scale = leaf_ref.grad.abs().max()
+    torch.testing.assert_close(leaf_kernel.grad / scale, leaf_ref.grad / scale, atol=1e-4, rtol=0)
+
+
+def test_blocked_bf16_input_accumulates_in_fp32():
+    x = torch.randn(1, 33, 40, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    out = blocked(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), newton_schulz(x, 2), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 40, 70), torch.float32), ((3, 70, 40), torch.float32),
+                                         ((1, 33, 20), torch.bfloat16)], ids=str)
+def test_symmetric_gram_matches_matmul(shape, dtype):
+    from kernels.triton_kernels import symmetric_gram
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
+    wide = x.float() if shape[-2] <= shape[-1] else x.float().mT
+    torch.testing.assert_close(symmetric_gram(x, block=16), wide @ wide.mT, atol=1e-4, rtol=1e-5)
+
+
+def test_symmetric_gram_combines_cin_alpha_beta():
+    from kernels.triton_kernels import symmetric_gram
+
+    a, s = torch.randn(2, 2, 40, 40, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    cin = s + s.mT
+    torch.testing.assert_close(symmetric_gram(a, cin, alpha=2.0315, beta=-4.775, block=16),
+                               -4.775 * cin + 2.0315 * a @ a.mT, atol=1e-4, rtol=1e-5)
+
+
+def test_symmetric_gram_computes_upper_blocks_only_and_mirrors_them(monkeypatch):
+    from kernels import triton_kernels
+
+    grids = []
+    kernel = triton_kernels._symmetric_gram_kernel
+    monkeypatch.setattr(triton_kernels, "_symmetric_gram_kernel",
+                        type("Spy", (), {"__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
+    x = torch.randn(2, 40, 70, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    out = triton_kernels.symmetric_gram(x, block=16)  # 3 x 3 blocks: 6 upper-triangular pairs per matrix
+    assert grids == [(2, 6)]
+    assert triton_kernels.upper_block_pairs(3, x.device).tolist() == [[0, 0, 0, 1, 1, 2], [0, 1, 2, 1, 2, 2]]
+    assert torch.equal(out, out.mT)  # the lower blocks are the mirrored upper ones, bit for bit
+    torch.testing.assert_close(out, x @ x.mT, atol=1e-4, rtol=1e-5)
+
+
+def test_blocked_bad_block_is_named():
+    from kernels.triton_kernels import newton_schulz_blocked
+
+    with pytest.raises(ValueError, match="block must be a power of two >= 16"):
+        newton_schulz_blocked(torch.randn(16, 16).to(DEVICE), 5, block=24)
+
+
+def spy_on_blocked(monkeypatch):
+    from kernels import triton_kernels
+
+    calls, blocked_path = [], triton_kernels.newton_schulz_blocked
+    monkeypatch.setattr(triton_kernels, "newton_schulz_blocked", lambda *args: calls.append(args) or blocked_path(*args))
+    return calls
+
+
+def test_dispatch_forces_the_blocked_path(monkeypatch):
+    from kernels import newton_schulz as dispatch
+
+    calls = spy_on_blocked(monkeypatch)
+    x = torch.randn(1, 16, 24, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    torch.testing.assert_close(dispatch(x, 1, backend="triton_blocked"), newton_schulz(x, 1), atol=1e-4, rtol=1e-4)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("shape,dtype,expected", [
+    ((4, 64, 256), torch.float32, "triton"),
+    ((256, 64), torch.bfloat16, "triton"),
+    ((200, 600), torch.float32, "triton_blocked"),
+    ((64, 64), torch.float64, "torch"),
+])
+def test_auto_dispatch_picks_the_kernel_by_size_and_dtype_on_cuda(shape, dtype, expected):
+    """The 'auto' decision for CUDA tensors (a stand-in tensor: no GPU is needed to decide)."""
+    from types import SimpleNamespace
+
+    from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, _resolve
+
+    cuda_tensor = SimpleNamespace(is_cuda=True, dtype=dtype, shape=torch.Size(shape))
+    assert _resolve("newton_schulz", "auto", cuda_tensor, BACKENDS) == expected
+    fallback = "torch" if expected == "triton_blocked" else expected
+    assert _resolve("memory_update", "auto", cuda_tensor, MEMORY_UPDATE_BACKENDS) == fallback
+    assert _resolve("newton_schulz", "auto", torch.empty(shape, dtype=dtype), BACKENDS) == "torch"
+
+
+def test_memory_update_has_no_blocked_backend():
+    from kernels import memory_update
+
+    with pytest.raises(ValueError, match="backend 'triton_blocked' unknown"):
+        memory_update(*update_inputs((1, 2, 16, 16)), 5, backend="triton_blocked")
