@@ -1,4 +1,4 @@
-"""End-to-end training through scripts/train.sh (torchrun, gloo, CPU). Slow: about 12 minutes."""
+"""End-to-end training through scripts/train.sh (torchrun, gloo, CPU). Slow: about 15 minutes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 CONFIGS = {
     "transformer": ["--module", "train_configs.transformer", "--config", "transformer_debug"],
     "mlp_lm": ["--module", "train_configs.mlp_lm", "--config", "mlp_lm_debug"],
+    "mela": ["--module", "train_configs.mela", "--config", "mela_debug"],
 } | {f"titans_{v}": ["--module", "train_configs.titans", "--config", f"titans_{v}_debug"] for v in ("mac", "mag", "mal", "lmm")}
 SHORT = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0"]
 
@@ -54,17 +55,27 @@ def test_resume_reproduces_the_straight_run_bit_for_bit(tokenizer_dir, tmp_path)
     assert list((tmp_path / "resumed").rglob("offline-run-*")), "wandb wrote no offline run"
 
 
-def test_compile_and_activation_checkpointing_modes_agree(tokenizer_dir, tmp_path):
-    seeded_folder("transformer", tmp_path / "seed")
+# Each family's default AC mode first (transformer: selective; Mela debug: none).
+AC_MODES = {
+    "transformer": {"eager-selective": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"],
+                    "no-ac": ["activation-checkpoint:none"]},
+    "mela": {"eager-no-ac": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"],
+             "selective-ac": ["activation-checkpoint:selective"]},
+}
+
+
+@pytest.mark.parametrize("family", sorted(AC_MODES))
+def test_compile_and_activation_checkpointing_modes_agree(family, tokenizer_dir, tmp_path):
+    seeded_folder(family, tmp_path / "seed")
     runs = {}
-    for name, extra in {"eager-selective": [], "compiled": ["--compile.enable"],
-                        "full-ac": ["activation-checkpoint:full"], "no-ac": ["activation-checkpoint:none"]}.items():
+    for name, extra in AC_MODES[family].items():
         folder = tmp_path / name
         shutil.copytree(tmp_path / "seed", folder)
-        runs[name] = train(CONFIGS["transformer"] + SHORT + ["--dump_folder", str(folder)] + extra)
+        runs[name] = train(CONFIGS[family] + SHORT + ["--dump_folder", str(folder)] + extra)
         assert runs[name].returncode == 0, runs[name]
-    for name in ("compiled", "full-ac", "no-ac"):
-        assert relative_gap(runs["eager-selective"].losses, runs[name].losses) < 1e-4, name
+    reference, *others = runs
+    for name in others:
+        assert relative_gap(runs[reference].losses, runs[name].losses) < 1e-4, name
 
 
 def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_checkpoint(tokenizer_dir, tmp_path):

@@ -1,0 +1,381 @@
+"""Mela: a Transformer++ decoder reading a Hierarchical Memory Module (002_*.txt, sections 3-4).
+
+HMM (section 3, Figure 1). Token embeddings x (B, T, dim) (projected to memory_dim when it
+differs from dim) are patchified by a 1-D convolution (kernel = stride = P) into x_p
+(B, N_p, memory_dim), one episodic unit per P tokens. Two memory modules, L (fewer blocks) and H (more blocks), each = an input-fusion MLP
+over concat of its two input states, then memory blocks
+    x += GatedAttention(RMSNorm x);  x += NeuralMemory(RMSNorm x)
+with the neural memory of `models/neural_memory.py` updated by eq. 10-11 (momentum, forget
+gate, Newton-Schulz-k on the momentum), processing patches in chunks of C.
+
+Hierarchical latent recursion (section 3.2, HRM / TRM): l = h = x_p; H cycles, each with
+L L-module steps  l <- f_L(l, h) + ...  and one H-module step  h <- f_H(h, l); the first
+H-1 cycles run without gradients, the last with gradients. Fusion (3.3, eq. 12): z^(i) =
+Fusion_i(l^(i), h^(i)), a 2-layer MLP over concat(l, h) per cycle (ablations: h only, or a
+learned weighted sum). MemStack (4.2, eq. 13-14): z^(H) are the decoder's memory tokens;
+z^(i), i < H, is added at the memory-token positions after decoder layer i.
+
+Decoder (4.1): text in chunks of P*C tokens, each preceded by C memory tokens; attention
+stays inside [memory tokens; chunk] (causal), so memory is the only path between chunks.
+
+Choices where the paper is silent (each tested in tests/test_mela.py):
+- No leak: chunk c's memory tokens are the HMM outputs of chunk c-1's C patches (they
+  depend on tokens before chunk c only). Chunk 0 of a fresh stream reads a learned
+  `memory_init` (C, dim), with zero MemStack additions.
+- Inside the HMM, attention is causal over the patches of the same chunk (chunk-local), so
+  the neural memories are the only cross-chunk channel there too and the carried state
+  has constant size. Patch positions for RoPE are chunk-local (0..C-1).
+- Each module step of the recursion (cycle i, L-step j; cycle i's H step) is its own
+  stream over the chunks: its blocks' neural memories continue from that same step's state
+  of the previous call (a step starting from another step's memory, written over the whole
+  call, would read the future). The carried state holds all H*L + H of them: constant in
+  the context length, and segment-by-segment equals one pass exactly.
+- L-module input: Fuse_L(concat(l, h)) + x_p (input injection, as HRM's z_L + z_H + x);
+  H-module input: Fuse_H(concat(h, l)). Each module ends with an RMSNorm so that l and h
+  keep their scale over cycles. Fusion MLPs: Linear(2m, m) -> SiLU -> Linear(m, out).
+- Decoder positions are chunk-local: memory tokens 0..C-1, text C..C+PC-1, so every chunk
+  looks alike and context beyond the training length is purely a memory question.
+- Token embeddings are shared by the HMM and the decoder and tied to the output head (the
+  paper's Table 1 leaves only "embedding and output projection" outside memory/language).
+- Streaming (`stream`): the state (neural memories of every HMM block, the last chunk's
+  memory tokens) is carried from call to call, so a long text is evaluated segment by
+  segment with constant memory; segments must be whole chunks except the last.
+
+Shapes: tokens (B, T) -> logits (B, T, vocab_size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers import swiglu_hidden
+from models.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
+from models.transformer import Attention, DecoderBlock
+
+FUSIONS = ("mlp", "h_only", "weighted_sum")
+
+
+@dataclass
+class MelaConfig:
+    vocab_size: int = 4096
+    dim: int = 128  # decoder hidden size
+    n_layers: int = 4  # decoder layers
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    memory_dim: int | None = None  # HMM hidden size (default: dim)
+    memory_heads: int = 4  # heads of the HMM's gated attention and neural memories
+    memory_kv_heads: int | None = None  # key/value heads of the HMM's gated attention (default: memory_heads)
+    h_layers: int = 2  # memory blocks of the H-module
+    l_layers: int = 1  # memory blocks of the L-module
+    h_cycles: int = 2  # H
+    l_cycles: int = 2  # L
+    patch_size: int = 8  # P
+    chunk_size: int = 8  # C: patches per memory chunk = memory tokens per decoder chunk
+    # The neural memory's own options; dim / heads / chunk / Newton-Schulz steps are set from the fields here.
+    memory: NeuralMemoryConfig = field(default_factory=NeuralMemoryConfig)
+    # Ablations of Table 4.
+    newton_schulz_steps: int = 5  # 0: plain momentum update (eq. 4-5 instead of 10-11)
+    memstack: bool = True
+    attention_gating: bool = True
+    fusion: str = "mlp"  # "mlp" | "h_only" | "weighted_sum"
+    memory_attention: bool = True  # gated attention inside the memory blocks
+    neural_memory: bool = True  # neural memory inside the memory blocks
+    rope_theta: float = 10000.0
+    max_seq_len: int = 1 << 20
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        self.memory_dim = self.memory_dim or self.dim
+        self.memory_kv_heads = self.memory_kv_heads or self.memory_heads
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        self.ffn_hidden = self.ffn_hidden or swiglu_hidden(self.dim)
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"Mela fusion '{self.fusion}' unknown: choose one of {FUSIONS}")
+        if not (self.memory_attention or self.neural_memory):
+            raise ValueError("Mela memory blocks need attention or neural memory (or both): do not turn off both")
+        if self.memstack and self.h_cycles - 1 > self.n_layers:
+            raise ValueError(f"MemStack adds after decoder layers 1..H-1: h_cycles {self.h_cycles} needs "
+                             f"n_layers >= {self.h_cycles - 1} (got {self.n_layers})")
+        if self.memory_dim % self.memory_heads or self.dim % self.n_heads:
+            raise ValueError(f"memory_dim {self.memory_dim} must divide by memory_heads {self.memory_heads} "
+                             f"and dim {self.dim} by n_heads {self.n_heads}")
+        self.memory = dataclasses.replace(
+            self.memory, dim=self.memory_dim, n_heads=self.memory_heads, head_dim=self.memory_dim // self.memory_heads,
+            chunk_size=self.chunk_size, newton_schulz_steps=self.newton_schulz_steps,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Text tokens per decoder chunk (P * C)."""
+        return self.patch_size * self.chunk_size
+
+    @property
+    def window(self) -> int:
+        """Attention span of a decoder token: its chunk and the chunk's memory tokens."""
+        return self.chunk_tokens + self.chunk_size
+
+
+class FusionMLP(nn.Module):
+    """Linear(in, hidden) -> SiLU -> Linear(hidden, out). x (..., in) -> (..., out)."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_in, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)))
+
+
+class OutputFusion(nn.Module):
+    """z = Fusion(l, h) (eq. 12): l, h (B, N_p, memory_dim) -> z (B, N_p, dim).
+    "mlp": 2-layer MLP over concat(l, h); "h_only": h (HRM/TRM); "weighted_sum":
+    w_l * l + w_h * h with per-channel weights (init 1/2). The last two project to dim
+    with a linear map when memory_dim != dim."""
+
+    def __init__(self, cfg: MelaConfig):
+        super().__init__()
+        self.mode = cfg.fusion
+        m, d = cfg.memory_dim, cfg.dim
+        if self.mode == "mlp":
+            self.mlp = FusionMLP(2 * m, m, d)
+            return
+        if self.mode == "weighted_sum":
+            self.weights = nn.Parameter(torch.empty(2, m))
+        self.proj = nn.Linear(m, d, bias=False) if m != d else nn.Identity()
+
+    def forward(self, l: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self.mode == "mlp":
+            return self.mlp(torch.cat([l, h], -1))
+        if self.mode == "weighted_sum":
+            h = self.weights[0] * l + self.weights[1] * h
+        return self.proj(h)
+
+
+class MemoryBlock(nn.Module):
+    """x += GatedAttention(norm x) over the patches of each chunk; x += NeuralMemory(norm x)."""
+
+    def __init__(self, cfg: MelaConfig):
+        super().__init__()
+        self.chunk = cfg.chunk_size
+        m = cfg.memory_dim
+        if cfg.memory_attention:
+            self.attention_norm = nn.RMSNorm(m, eps=cfg.norm_eps)
+            self.attention = Attention(m, cfg.memory_heads, cfg.memory_kv_heads, cfg.rope_theta,
+                                       gated=cfg.attention_gating)
+        if cfg.neural_memory:
+            self.memory_norm = nn.RMSNorm(m, eps=cfg.norm_eps)
+            self.memory = NeuralMemory(cfg.memory)
+
+    def forward(self, x: torch.Tensor, state: MemoryState | None):
+        """x (B, N_p, m) with N_p a multiple of C; state of the neural memory (None: fresh)."""
+        if hasattr(self, "attention"):
+            chunks = self.attention_norm(x).unflatten(1, (-1, self.chunk)).flatten(0, 1)  # (B * N_p / C, C, m)
+            positions = torch.arange(self.chunk, device=x.device)
+            x = x + self.attention(chunks, positions).view_as(x)
+        if hasattr(self, "memory"):
+            out, state = self.memory(self.memory_norm(x), state)
+            x = x + out
+        return x, state
+
+
+class MemoryModule(nn.Module):
+    """The L- or H-module: RMSNorm(blocks(Fuse(concat(a, b)) + injection))."""
+
+    def __init__(self, cfg: MelaConfig, n_blocks: int):
+        super().__init__()
+        m = cfg.memory_dim
+        self.input_fusion = FusionMLP(2 * m, m, m)
+        self.blocks = nn.ModuleList(MemoryBlock(cfg) for _ in range(n_blocks))
+        self.norm = nn.RMSNorm(m, eps=cfg.norm_eps)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, injection: torch.Tensor | None, states: tuple | None):
+        """a, b (B, N_p, m); states: one neural-memory state (or None) per block, or None
+        (all fresh).
+        Returns (B, N_p, m) and the blocks' new states."""
+        x = self.input_fusion(torch.cat([a, b], -1))
+        if injection is not None:
+            x = x + injection
+        new_states = []
+        for block, state in zip(self.blocks, states or (None,) * len(self.blocks)):
+            x, state = block(x, state)
+            new_states.append(state)
+        return self.norm(x), tuple(new_states)
+
+
+class HierarchicalMemory(nn.Module):
+    """HMM: patchify, hierarchical latent recursion, per-cycle fusion (section 3)."""
+
+    def __init__(self, cfg: MelaConfig):
+        super().__init__()
+        self.cfg = cfg
+        m = cfg.memory_dim
+        self.embed_proj = nn.Linear(cfg.dim, m, bias=False) if cfg.dim != m else nn.Identity()
+        self.patchify = nn.Conv1d(m, m, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.l_module = MemoryModule(cfg, cfg.l_layers)
+        self.h_module = MemoryModule(cfg, cfg.h_layers)
+        # One fusion per cycle whose output is used: all H with MemStack, else the last.
+        self.fusions = nn.ModuleList(OutputFusion(cfg) for _ in range(cfg.h_cycles if cfg.memstack else 1))
+
+    def forward(self, x: torch.Tensor, l_states: tuple, h_states: tuple):
+        """x (B, T, dim) embeddings of whole chunks (T a multiple of P*C); l_states (H*L)
+        and h_states (H): the carried block states of every module step (None: fresh).
+        Returns [z^(1), ..., z^(H)] with MemStack (else [z^(H)]), each (B, T / P, dim),
+        and the new l_states, h_states."""
+        cfg = self.cfg
+        x_p = self.patchify(self.embed_proj(x).transpose(1, 2)).transpose(1, 2)
+        l = h = x_p
+        zs, new_l, new_h = [], [], []
+        for cycle in range(cfg.h_cycles):
+            last = cycle == cfg.h_cycles - 1
+            with torch.set_grad_enabled(last and torch.is_grad_enabled()):
+                if last and cycle > 0:
+                    l, h = l.detach(), h.detach()
+                for _ in range(cfg.l_cycles):
+                    l, states = self.l_module(l, h, x_p, l_states[len(new_l)])
+                    new_l.append(states)
+                h, states = self.h_module(h, l, None, h_states[cycle])
+                new_h.append(states)
+            if cfg.memstack or last:
+                zs.append(self.fusions[len(zs)](l, h))
+        return zs, tuple(new_l), tuple(new_h)
+
+
+class MelaState(NamedTuple):
+    """What a stream carries between calls: the block states of every L-module step (H*L) and
+    H-module step (H), each a tuple per block or None (fresh), the memory tokens for the next chunk
+    ([z^(1..H)] or [z^(H)], each (B, C, dim)), and whether the last call ended on a
+    chunk boundary."""
+
+    l_states: tuple
+    h_states: tuple
+    memory_tokens: tuple[torch.Tensor, ...]
+    on_boundary: bool = True
+
+
+class Mela(nn.Module):
+    """Mela LM. Attribute names (tok_embeddings, layers, norm, lm_head) follow torchtitan's
+    decoders so its AC / compile / FSDP2 helpers apply to the decoder blocks."""
+
+    _skip_lm_head: bool = False
+
+    def __init__(self, cfg: MelaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.hmm = HierarchicalMemory(cfg)
+        self.memory_init = nn.Parameter(torch.empty(cfg.chunk_size, cfg.dim))
+        self.layers = nn.ModuleDict({
+            str(i): DecoderBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden, cfg.rope_theta, cfg.norm_eps)
+            for i in range(cfg.n_layers)
+        })
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.enable_weight_tying = cfg.tie_embeddings
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, init_std) for embeddings, memory tokens and HMM linear maps; decoder blocks
+        as Transformer++; neural memories their own init; norms to one, weighted-sum
+        fusion weights to 1/2. Re-ties the output head (needed after to_empty)."""
+        cfg, std = self.cfg, self.cfg.init_std
+        with torch.no_grad():
+            if self.enable_weight_tying:
+                self.lm_head.weight = self.tok_embeddings.weight
+            else:
+                nn.init.normal_(self.lm_head.weight, std=cfg.dim**-0.5)
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
+            nn.init.normal_(self.memory_init, std=std)
+            for block in self.layers.values():
+                block.reset_parameters(std, cfg.n_layers)
+            self.norm.reset_parameters()
+            for module in self.hmm.modules():
+                if isinstance(module, (nn.Linear, nn.Conv1d)):
+                    nn.init.normal_(module.weight, std=std)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+                elif isinstance(module, (nn.RMSNorm, NeuralMemory)):
+                    module.reset_parameters()
+                elif isinstance(module, OutputFusion) and module.mode == "weighted_sum":
+                    nn.init.constant_(module.weights, 0.5)
+
+    def initial_state(self, batch: int) -> MelaState:
+        """A fresh stream: fresh neural memories, `memory_init` as chunk 0's memory tokens
+        and zero MemStack additions."""
+        cfg = self.cfg
+        first = self.memory_init.expand(batch, -1, -1)
+        stack = (torch.zeros_like(first),) * (cfg.h_cycles - 1 if cfg.memstack else 0)
+        return MelaState((None,) * (cfg.h_cycles * cfg.l_cycles), (None,) * cfg.h_cycles, stack + (first,))
+
+    def memstack_addition(self, z: torch.Tensor) -> torch.Tensor:
+        """z (B', C, dim) memory features of each chunk -> (B', C + P*C, dim): z at the
+        memory-token positions, exactly zero at every text position (eq. 13)."""
+        return F.pad(z, (0, 0, 0, self.cfg.chunk_tokens))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
+        """tokens (B, T) -> logits (B, T, vocab) from a fresh memory. Each row is one
+        stream; `positions` exists for torchtitan's call signature and is ignored."""
+        if attention_masks is not None:
+            raise ValueError("Mela builds its own chunk masks; pass attention_masks=None")
+        return self.stream(tokens)[0]
+
+    def stream(self, tokens: torch.Tensor, state: MelaState | None = None):
+        """tokens (B, T) continuing the stream in `state` (None: a fresh one) ->
+        (logits (B, T, vocab) or hidden states with `_skip_lm_head`, new state)."""
+        cfg = self.cfg
+        batch, length = tokens.shape
+        if length > cfg.max_seq_len:
+            raise ValueError(f"sequence length {length} exceeds max_seq_len {cfg.max_seq_len}")
+        if state is None:
+            state = self.initial_state(batch)
+        elif not state.on_boundary:
+            raise ValueError(f"Mela streams whole chunks: every segment but the last must be a multiple of "
+                             f"patch_size * chunk_size = {cfg.chunk_tokens} tokens")
+        span, c = cfg.chunk_tokens, cfg.chunk_size
+        x = self.tok_embeddings(tokens)
+        full = length // span * span
+        l_states, h_states = state.l_states, state.h_states
+        if full:
+            zs, l_states, h_states = self.hmm(x[:, :full], l_states, h_states)
+        else:
+            zs = [t[:, :0] for t in state.memory_tokens]
+        # Chunk k reads the HMM output of chunk k - 1 (chunk 0: the carried tokens).
+        memory = [torch.cat([carried, z], 1) for carried, z in zip(state.memory_tokens, zs)]
+        n_chunks = -(-length // span)
+        new_state = MelaState(l_states, h_states, tuple(m[:, full // cfg.patch_size:] for m in memory), full == length)
+        memory = [m[:, : n_chunks * c].unflatten(1, (n_chunks, c)).flatten(0, 1) for m in memory]  # (B * n, C, dim)
+        text = F.pad(x, (0, 0, 0, n_chunks * span - length)).unflatten(1, (n_chunks, span)).flatten(0, 1)
+        h = torch.cat([memory[-1], text], 1)
+        positions = torch.arange(c + span, device=tokens.device)
+        for i, block in enumerate(self.layers.values()):
+            h = block(h, positions)
+            if i < len(memory) - 1:
+                h = h + self.memstack_addition(memory[i])
+        h = h[:, c:].unflatten(0, (batch, n_chunks)).flatten(1, 2)[:, :length]
+        h = self.norm(h)
+        return (h if self._skip_lm_head else self.lm_head(h)), new_state
+
+
+def parameter_groups(model: Mela) -> dict[str, int]:
+    """Parameter counts: memory (HMM + memory_init), language (decoder blocks + final
+    norm) and embedding (token embeddings, plus the output head when untied)."""
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    embedding = model.tok_embeddings.weight.numel() + (0 if model.enable_weight_tying else model.lm_head.weight.numel())
+    return {
+        "memory": count(model.hmm) + model.memory_init.numel(),
+        "language": count(model.layers) + count(model.norm),
+        "embedding": embedding,
+    }

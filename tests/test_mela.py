@@ -1,0 +1,205 @@
+"""Mela (models/mela.py): decoder parity with torchtitan's llama3 block, causality, the
+recursion's gradient path, MemStack, streaming, memory use, Table 1 parameter shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.mela import Mela, MelaConfig, parameter_groups
+from models.neural_memory import NeuralMemoryConfig
+from models.transformer import DecoderBlock
+
+SMALL = dict(vocab_size=64, dim=32, n_layers=3, n_heads=2, memory_heads=2, patch_size=2, chunk_size=4,
+             memory=NeuralMemoryConfig(expansion=2))  # chunks of 8 text tokens + 4 memory tokens
+VARIANTS = {
+    "default": {},
+    "no_memstack": dict(memstack=False),
+    "weighted_sum": dict(fusion="weighted_sum", memory_dim=16),
+    "h_only_no_ns": dict(fusion="h_only", newton_schulz_steps=0),
+    "no_attention_3_cycles": dict(memory_attention=False, h_cycles=3, l_cycles=1),
+}
+
+
+def small_model(seed: int = 0, **fields) -> Mela:
+    torch.manual_seed(seed)
+    return Mela(MelaConfig(**(SMALL | fields)))
+
+
+@pytest.fixture
+def float64():
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, SMALL["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_decoder_block_equals_torchtitan_llama3_block():
+    from torchtitan.models.common.attention import VarlenMetadata
+
+    from torchtitan_ext.transformer import FLAVORS, model_config
+
+    torch.manual_seed(0)
+    titan = model_config("debug", "cpu").build()
+    titan.init_states()
+    titan_block = titan.layers["0"]
+    s = FLAVORS["debug"]
+    ours = DecoderBlock(s.dim, s.n_heads, s.n_kv_heads, s.ffn_hidden, rope_theta=500000, norm_eps=1e-5)
+    ours.load_state_dict({k.replace("qkv_linear.", ""): v for k, v in titan_block.state_dict().items()})
+    x = torch.randn(2, 24, s.dim)
+    positions = torch.arange(24)
+    starts = torch.tensor([0, 24, 48], dtype=torch.int32)  # one document per row
+    expected = titan_block(x, VarlenMetadata(starts, starts, 24, 24), positions.expand(2, -1))
+    torch.testing.assert_close(ours(x, positions), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_changing_token_t_never_changes_logits_before_t(variant):
+    model = small_model(**VARIANTS[variant]).eval()
+    x = tokens(2, 40)  # 5 chunks
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        base = model(x)
+        for t in [0, 7, 8, 11, 24, 39] + torch.randint(1, 40, (4,), generator=generator).tolist():
+            changed = x.clone()
+            changed[:, t] = (changed[:, t] + 1) % SMALL["vocab_size"]
+            out = model(changed)
+            assert torch.equal(out[:, :t], base[:, :t]), (variant, t)
+            assert not torch.equal(out[:, t], base[:, t])
+
+
+@pytest.mark.parametrize("neural_memory", [True, False])
+def test_information_crosses_more_than_one_chunk_only_through_the_neural_memory(neural_memory):
+    """A token of chunk 0 reaches chunk 1 through its memory tokens (HMM output of chunk 0);
+    chunk 2 and later only if the HMM's neural memories were written and read."""
+    model = small_model(neural_memory=neural_memory).eval()
+    x = tokens(1, 40)
+    changed = x.clone()
+    changed[:, 3] += 1
+    with torch.no_grad():
+        gap = (model(x) - model(changed)).abs().amax(-1)[0]
+    assert gap[8:16].max() > 0
+    assert (gap[16:].max() > 1e-6) == neural_memory
+
+
+def test_only_the_last_cycle_runs_with_gradients():
+    model = small_model(h_cycles=3, l_cycles=2)
+    seen = {"l": [], "h": []}
+    for name in seen:
+        module = getattr(model.hmm, f"{name}_module")
+        module.register_forward_hook(lambda m, args, out, name=name: seen[name].append(
+            (torch.is_grad_enabled(), args[0].requires_grad, out[0].requires_grad)))
+    model(tokens(1, 16)).sum().backward()
+    # (grad mode, input needs grad, output needs grad) per call; 2 L-steps per cycle. The
+    # first step reads x_p itself; the last cycle starts from detached l, h states.
+    no_grad = [(False, False, False)]
+    assert seen["l"] == [(False, True, False)] + no_grad * 3 + [(True, False, True), (True, True, True)]
+    assert seen["h"] == [(False, True, False)] + no_grad + [(True, False, True)]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_parameter_gets_a_gradient(variant):
+    model = small_model(**VARIANTS[variant])
+    model(tokens(2, 20)).logsumexp(-1).mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing
+
+
+def test_memstack_adds_only_at_memory_token_positions(monkeypatch):
+    h_cycles = 3
+    model = small_model(h_cycles=h_cycles).eval()
+    added, original = [], Mela.memstack_addition
+    monkeypatch.setattr(Mela, "memstack_addition", lambda self, z: added.append(original(self, z)) or added[-1])
+    layer_outputs = []
+    model.layers["0"].register_forward_hook(lambda m, args, out: layer_outputs.append(out))
+    with torch.no_grad():
+        model(tokens(2, 24))
+    c = SMALL["chunk_size"]
+    assert len(added) == h_cycles - 1  # after decoder layers 1 .. H-1
+    for addition in added:
+        assert torch.equal(addition[:, c:], torch.zeros_like(addition[:, c:]))
+        assert addition[:, :c].abs().amax() > 0
+    # MemStack off: same weights, the final fusion only. Layer 1's text-position outputs
+    # (after the addition) are unchanged; its memory-token outputs are not.
+    off = small_model(h_cycles=h_cycles, memstack=False).eval()
+    state = {k.replace(f"fusions.{h_cycles - 1}.", "fusions.0."): v for k, v in model.state_dict().items()
+             if not any(f"fusions.{i}." in k for i in range(h_cycles - 1))}
+    off.load_state_dict(state)
+    off.layers["0"].register_forward_hook(lambda m, args, out: layer_outputs.append(out))
+    monkeypatch.setattr(Mela, "memstack_addition", original)
+    with torch.no_grad():
+        off(tokens(2, 24))
+    y1_on, y1_off = layer_outputs[0] + added[0], layer_outputs[1]
+    assert torch.equal(y1_on[:, c:], y1_off[:, c:])
+    assert not torch.equal(y1_on[:, :c], y1_off[:, :c])
+
+
+@pytest.mark.parametrize("segments", [[8, 8, 8, 8, 7], [16, 23], [24, 3], [8, 1]], ids=str)
+def test_segment_by_segment_equals_one_pass(segments, float64):
+    model = small_model().eval()
+    x = tokens(2, sum(segments))
+    with torch.no_grad():
+        whole = model(x)
+        outputs, state, start = [], None, 0
+        for length in segments:
+            out, state = model.stream(x[:, start : start + length], state)
+            outputs.append(out)
+            start += length
+    torch.testing.assert_close(torch.cat(outputs, 1), whole, rtol=1e-10, atol=1e-10)
+
+
+def test_a_segment_ending_mid_chunk_must_be_the_last():
+    model = small_model().eval()
+    with torch.no_grad():
+        _, state = model.stream(tokens(1, 12))
+        with pytest.raises(ValueError, match="multiple of patch_size \\* chunk_size = 8 tokens"):
+            model.stream(tokens(1, 8), state)
+
+
+def test_carried_state_has_constant_size():
+    model = small_model().eval()
+    sizes = []
+    with torch.no_grad():
+        state = None
+        for _ in range(6):
+            _, state = model.stream(tokens(1, 16), state)
+            sizes.append(sum(t.numel() for t in torch.utils._pytree.tree_leaves(state) if torch.is_tensor(t)))
+    assert len(set(sizes[1:])) == 1 and sizes[1] > 0
+
+
+TABLE_1 = {"400m": (27.45, 65.75), "800m": (28.78, 66.35), "1b2": (18.19, 76.97)}  # memory %, language %
+
+
+@pytest.mark.parametrize("flavor", sorted(TABLE_1))
+def test_paper_sizes_match_table_1_shares(flavor):
+    from torchtitan_ext.mela import model_config
+
+    cfg = model_config(flavor)
+    assert (cfg.h_cycles, cfg.l_cycles, cfg.h_layers, cfg.patch_size, cfg.chunk_size, cfg.vocab_size) == (4, 4, 8, 32, 64, 32000)
+    with torch.device("meta"):
+        groups = parameter_groups(Mela(cfg))
+    total = sum(groups.values())
+    memory, language = TABLE_1[flavor]
+    assert abs(100 * groups["memory"] / total / memory - 1) < 0.02
+    assert abs(100 * groups["language"] / total / language - 1) < 0.02
+
+
+def test_config_rejects_bad_ablation_settings():
+    with pytest.raises(ValueError, match="fusion 'sum' unknown"):
+        MelaConfig(fusion="sum")
+    with pytest.raises(ValueError, match="do not turn off both"):
+        MelaConfig(memory_attention=False, neural_memory=False)
+    with pytest.raises(ValueError, match="needs n_layers >= 3"):
+        MelaConfig(h_cycles=4, n_layers=2)
+
+
+def test_ablation_flags_change_the_model():
+    base = small_model()
+    assert base.hmm.l_module.blocks[0].attention.wg is not None
+    assert small_model(attention_gating=False).hmm.l_module.blocks[0].attention.wg is None
+    assert small_model(newton_schulz_steps=0).hmm.h_module.blocks[0].memory.cfg.newton_schulz_steps == 0
+    assert base.hmm.h_module.blocks[0].memory.cfg.newton_schulz_steps == 5
+    assert not hasattr(small_model(neural_memory=False).hmm.h_module.blocks[0], "memory")

@@ -1,0 +1,48 @@
+"""torchtitan spec for Mela (`models/mela.py`).
+
+Table 1 of the paper fixes H = L = 4 cycles, H-/L-module depths, HMM and decoder hidden
+sizes, P = 32, C = 64 and the memory / language shares of the parameters; it leaves the
+decoder depth and heads, and the HMM's attention key/value heads and memory-MLP width open.
+We chose those so the shares match Table 1 (tests/test_mela.py checks within 2%; a 32K
+vocabulary, tied embeddings, `scripts/param_counts.py` prints them):
+
+| flavor | HMM dim / H, L blocks | kv heads, memory MLP | decoder dim x layers, heads / kv, ffn | memory | language | total |
+| --- | --- | --- | --- | --- | --- | --- |
+| debug | 128 / 2, 1 (H = L = 2, P = C = 8) | 4, x4 | 128 x 4, 4 / 4, 512 | 0.88M | 1.05M | 2.4M (4096 vocab) |
+| 400m | 768 / 8, 4 | 12, x4 | 768 x 36, 12 / 6, 2048 | 98.3M (27.5%) | 234.7M (65.6%) | 357.6M |
+| 800m | 1024 / 8, 8 | 8, x4 | 1024 x 37, 16 / 8, 2816 | 195.9M (29.1%) | 441.5M (65.7%) | 670.2M |
+| 1b2 | 1024 / 8, 8 | 4, x2 | 1536 x 32, 24 / 6, 4096 | 187.0M (18.2%) | 792.8M (77.1%) | 1029.0M |
+"""
+
+from __future__ import annotations
+
+from torchtitan.protocols.model_spec import ModelSpec
+
+from models.mela import Mela, MelaConfig
+from models.neural_memory import NeuralMemoryConfig
+from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
+
+PAPER = dict(vocab_size=32000, h_layers=8, h_cycles=4, l_cycles=4, patch_size=32, chunk_size=64)
+FLAVORS = {
+    "debug": dict(),
+    "400m": dict(PAPER, dim=768, n_layers=36, n_heads=12, n_kv_heads=6, ffn_hidden=2048,
+                 memory_dim=768, memory_heads=12, l_layers=4),
+    "800m": dict(PAPER, dim=1024, n_layers=36, n_heads=16, n_kv_heads=8, ffn_hidden=3072,
+                 memory_dim=1024, memory_heads=16, memory_kv_heads=8, l_layers=8),
+    "1b2": dict(PAPER, dim=1536, n_layers=32, n_heads=24, n_kv_heads=6, ffn_hidden=4096,
+                memory_dim=1024, memory_heads=16, memory_kv_heads=4, l_layers=8,
+                memory=NeuralMemoryConfig(expansion=2)),
+}
+
+TorchtitanMela = torchtitan_model(Mela, MelaConfig)
+
+
+def model_config(flavor: str, **overrides) -> MelaConfig:
+    """The flavor's MelaConfig; `overrides` set any field (e.g. the ablation flags)."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown Mela flavor '{flavor}': choose one of {sorted(FLAVORS)}")
+    return MelaConfig(**(FLAVORS[flavor] | overrides))
+
+
+def model_spec(flavor: str, **overrides) -> ModelSpec:
+    return plain_model_spec("mela", flavor, TorchtitanMela, model_config(flavor, **overrides))
