@@ -157,12 +157,13 @@ class OutputFusion(nn.Module):
             self.weights = nn.Parameter(torch.empty(2, m))
         self.proj = nn.Linear(m, d, bias=False) if m != d else nn.Identity()
 
-    def forward(self, l: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """low, high: the l and h states."""
         if self.mode == "mlp":
-            return self.mlp(torch.cat([l, h], -1))
+            return self.mlp(torch.cat([low, high], -1))
         if self.mode == "weighted_sum":
-            h = self.weights[0] * l + self.weights[1] * h
-        return self.proj(h)
+            high = self.weights[0] * low + self.weights[1] * high
+        return self.proj(high)
 
 
 class MemoryBlock(nn.Module):
@@ -237,20 +238,21 @@ class HierarchicalMemory(nn.Module):
         and the new l_states, h_states."""
         cfg = self.cfg
         x_p = self.patchify(self.embed_proj(x).transpose(1, 2)).transpose(1, 2)
-        l = h = x_p
+        # low, high: the paper's l and h states.
+        low = high = x_p
         zs, new_l, new_h = [], [], []
         for cycle in range(cfg.h_cycles):
             last = cycle == cfg.h_cycles - 1
             with torch.set_grad_enabled(last and torch.is_grad_enabled()):
                 if last and cycle > 0:
-                    l, h = l.detach(), h.detach()
+                    low, high = low.detach(), high.detach()
                 for _ in range(cfg.l_cycles):
-                    l, states = self.l_module(l, h, x_p, l_states[len(new_l)])
+                    low, states = self.l_module(low, high, x_p, l_states[len(new_l)])
                     new_l.append(states)
-                h, states = self.h_module(h, l, None, h_states[cycle])
+                high, states = self.h_module(high, low, None, h_states[cycle])
                 new_h.append(states)
             if cfg.memstack or last:
-                zs.append(self.fusions[len(zs)](l, h))
+                zs.append(self.fusions[len(zs)](low, high))
         return zs, tuple(new_l), tuple(new_h)
 
 
