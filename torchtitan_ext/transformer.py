@@ -7,6 +7,7 @@ Shapes chosen (parameter counts from `scripts/param_counts.py`, checked by tests
 | flavor | dim | layers | heads / kv heads | ffn hidden | params |
 | --- | --- | --- | --- | --- | --- |
 | debug | 256 | 4 | 4 / 2 | 768 | 5.2M (4096 vocab) |
+| small | 128 | 7 | 4 / 2 | 384 | 2.4M (4096 vocab; the size of mela_debug, its peer) |
 | 400m | 1024 | 24 | 16 / 8 | 3520 | 400.6M |
 | 800m | 1536 | 27 | 16 / 8 | 4096 | 799.0M |
 | 1b2 | 2048 | 22 | 16 / 8 | 5888 | 1203.8M |
@@ -46,6 +47,7 @@ class Shape:
 
 FLAVORS = {
     "debug": Shape(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, vocab_size=4096),
+    "small": Shape(dim=128, n_layers=7, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=4096),
     "400m": Shape(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
     "800m": Shape(dim=1536, n_layers=27, n_heads=16, n_kv_heads=8, ffn_hidden=4096),
     "1b2": Shape(dim=2048, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=5888),

@@ -11,6 +11,11 @@ def transformer_debug() -> Trainer.Config:
     return debug_recipe(model_spec("debug"), name="transformer_debug")
 
 
+def transformer_small() -> Trainer.Config:
+    """2.4M parameters (the size of mela_debug), embedded corpus, CPU."""
+    return debug_recipe(model_spec("small"), name="transformer_small")
+
+
 def transformer_400m() -> Trainer.Config:
     return paper_recipe(model_spec("400m"), name="transformer_400m", lr=1e-3)
 

@@ -1,0 +1,287 @@
+"""Long-context perplexity: NLL per token against context length, for one or more checkpoints.
+
+    python scripts/eval_long_ppl.py --checkpoint <dump>/checkpoint/step-N --config train_configs.mela:mela_debug \\
+        [--checkpoint ... --config ...] --context-lengths 1024,2048,4096 --dataset embedded --out <dir> \\
+        [--mode full|streaming|truncated|sliding ...] [--label NAME ...] [--max-docs 16] [--bucket 512]
+
+Documents at least as long as the context are read from their start (never concatenated
+across documents); for each context length L, each one's first L tokens are scored: the NLL
+of every token after the first, given the ones before it. Reported: perplexity per context
+length, and per position bucket (`--bucket` tokens) so the fall (or rise) along the
+context is visible.
+
+Modes (one per checkpoint, or one for all):
+- full: the whole context in one forward pass;
+- streaming: memory models (Mela): segments of `--segment` tokens (default: one chunk), the
+  memory state carried between them, so memory use stays constant in L;
+- truncated: independent blocks of `--window` tokens (default: the training seq_len), the
+  context reset at each block start (a Transformer++ baseline);
+- sliding: each token sees up to `--window` earlier tokens (windows advance by half a window).
+
+Datasets: `embedded` (held-out split of the embedded corpus), `fineweb_edu` (its held-out
+split, streamed), `pg19` (`deepmind/pg19` test split, streamed), or a local
+.txt/.jsonl/.parquet file or folder (all documents).
+
+Writes results.json, results.md and perplexity_vs_context.png to --out, through a temporary
+folder moved into place at the end (nothing half-written on failure). Bad input (a checkpoint
+of another family or size, a missing tokenizer, a context the model cannot take in the
+chosen mode, no document long enough) ends with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan_ext.checkpoints import build_model, causal_logits, load_dcp_model  # noqa: E402
+from torchtitan_ext.errors import UserError  # noqa: E402
+
+MODES = ("full", "streaming", "truncated", "sliding")
+
+
+@dataclass
+class Entry:
+    """One checkpoint to evaluate: its model (eval mode), how to run it, how to name it."""
+
+    label: str
+    model: torch.nn.Module
+    mode: str
+    window: int  # training seq_len: the truncated / sliding span
+    segment: int  # streaming segment length
+    max_seq_len: int
+
+
+def load_entry(checkpoint: str, config: str, mode: str, label: str | None, window: int | None,
+               segment: int | None) -> tuple[Entry, str]:
+    """(Entry, tokenizer folder) for a DCP step folder trained with `module:function`."""
+    module, _, function = config.partition(":")
+    if not function:
+        raise UserError(f"--config '{config}' must be <module>:<function>, e.g. train_configs.mela:mela_debug")
+    model, trainer_config = build_model(module, function)
+    load_dcp_model(model, checkpoint, f"{function} model")
+    if mode == "streaming":
+        if not hasattr(model, "stream"):
+            raise UserError(f"{function} has no memory state to stream: use --mode full, truncated or sliding")
+        chunk = model.cfg.chunk_tokens
+        segment = segment or chunk
+        if segment % chunk:
+            raise UserError(f"--segment {segment} must be a multiple of {function}'s chunk of {chunk} tokens")
+    entry = Entry(label or function, model, mode, window or trainer_config.training.seq_len, segment or 0,
+                  trainer_config.model_spec.model.max_seq_len)
+    return entry, trainer_config.hf_assets_path
+
+
+def check_context(entry: Entry, length: int) -> None:
+    if entry.mode in ("full", "streaming") and length > entry.max_seq_len:
+        raise UserError(f"{entry.label} takes at most {entry.max_seq_len} tokens in one pass ({entry.mode} mode), "
+                        f"asked {length}: use --mode truncated or sliding, or shorter --context-lengths")
+
+
+def documents(dataset: str):
+    """Iterate the dataset's texts (see the module docstring)."""
+    from torchtitan_ext import datasets
+
+    if dataset == "embedded":
+        yield from datasets.load_embedded("", validation=True)["text"]
+    elif dataset == "fineweb_edu":
+        yield from (s["text"] for s in datasets.load_fineweb_edu(datasets.FINEWEB_EDU_REPO, validation=True))
+    elif dataset == "pg19":
+        from datasets import load_dataset
+
+        yield from (s["text"] for s in load_dataset("deepmind/pg19", split="test", streaming=True))
+    else:
+        yield from datasets.load_local(dataset, validation=False, per_mille=0)["text"]
+
+
+def long_documents(dataset: str, tokenizer, min_tokens: int, max_docs: int) -> list[list[int]]:
+    """Token ids (BOS first) of the first `max_docs` documents of at least `min_tokens` tokens."""
+    from tqdm import tqdm
+
+    found = []
+    with tqdm(desc=f"documents >= {min_tokens} tokens", total=max_docs, file=sys.stderr) as bar:
+        for text in documents(dataset):
+            ids = tokenizer.encode(text, add_bos=True, add_eos=False)
+            if len(ids) >= min_tokens:
+                found.append(ids)
+                bar.update()
+                if len(found) == max_docs:
+                    break
+    return found
+
+
+def window_nll(entry: Entry, tokens: torch.Tensor) -> torch.Tensor:
+    """NLL of tokens[:, 1:] given their prefix inside `tokens` alone: (B, L - 1)."""
+    if entry.mode == "streaming":
+        logits, state = [], None
+        for start in range(0, tokens.shape[1], entry.segment):
+            out, state = entry.model.stream(tokens[:, start : start + entry.segment], state)
+            logits.append(out)
+        logits = torch.cat(logits, 1)
+    else:
+        logits = causal_logits(entry.model, tokens)
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), tokens[:, 1:], reduction="none")
+
+
+def token_nll(entry: Entry, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, L - 1) NLL of tokens[:, 1:] under the entry's mode."""
+    length, window = tokens.shape[1], entry.window
+    if entry.mode in ("full", "streaming") or length <= window:
+        return window_nll(entry, tokens)
+    if entry.mode == "truncated":
+        # Blocks of `window` tokens overlapping by one: each scores its window - 1 last
+        # tokens from the block alone (the context restarts at every block).
+        starts = range(0, length - 1, window - 1)
+        return torch.cat([window_nll(entry, tokens[:, s : s + window]) for s in starts], 1)
+    stride = max(1, window // 2)
+    parts, next_target = [window_nll(entry, tokens[:, :window])], window
+    while next_target < length:
+        end = min(next_target + stride, length)
+        parts.append(window_nll(entry, tokens[:, end - window : end])[:, next_target - end :])
+        next_target = end
+    return torch.cat(parts, 1)
+
+
+def evaluate(entry: Entry, docs: list[list[int]], length: int, bucket: int, batch: int) -> dict:
+    """Perplexity over the first `length` tokens of each document, overall and per bucket of
+    target positions [k * bucket, (k + 1) * bucket)."""
+    from tqdm import tqdm
+
+    check_context(entry, length)
+    rows = torch.tensor([d[:length] for d in docs])
+    with torch.no_grad():
+        nll = torch.cat([token_nll(entry, rows[i : i + batch]) for i in
+                         tqdm(range(0, len(rows), batch), desc=f"{entry.label} @ {length}", file=sys.stderr)])
+    positions = torch.arange(1, length)
+    buckets = []
+    for start in range(0, length, bucket):
+        inside = (positions >= start) & (positions < start + bucket)
+        buckets.append({"start": start, "end": min(start + bucket, length), "ppl": math.exp(nll[:, inside].mean().item())})
+    return {"ppl": math.exp(nll.mean().item()), "nll": nll.mean().item(), "tokens": nll.numel(),
+            "documents": len(rows), "buckets": buckets}
+
+
+def markdown(results: dict) -> str:
+    lengths = results["context_lengths"]
+    lines = [f"Perplexity on `{results['dataset']}` (documents of at least the context length, first L tokens).", "",
+             "| model | mode | " + " | ".join(str(n) for n in lengths) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in lengths) + " |"]
+    for run in results["runs"]:
+        cells = [f"{run['results'][str(n)]['ppl']:.2f}" for n in lengths]
+        lines.append(f"| {run['label']} | {run['mode']} | " + " | ".join(cells) + " |")
+    longest = str(lengths[-1])
+    lines += ["", f"Per position bucket at {longest} tokens:", "",
+              "| model | " + " | ".join(f"{b['start']}-{b['end']}" for b in results["runs"][0]["results"][longest]["buckets"]) + " |",
+              "| --- | " + " | ".join("---" for _ in results["runs"][0]["results"][longest]["buckets"]) + " |"]
+    for run in results["runs"]:
+        lines.append(f"| {run['label']} | " + " | ".join(f"{b['ppl']:.2f}" for b in run["results"][longest]["buckets"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lengths = results["context_lengths"]
+    for run in results["runs"]:
+        ax.plot(lengths, [run["results"][str(n)]["ppl"] for n in lengths], marker="o", label=f"{run['label']} ({run['mode']})")
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="perplexity",
+           title=f"Perplexity vs context ({results['dataset']})")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(results: dict, out: Path) -> None:
+    """Write into a temporary sibling folder, then move it into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    (staging / "results.json").write_text(json.dumps(results, indent=2))
+    (staging / "results.md").write_text(markdown(results))
+    plot(results, staging / "perplexity_vs_context.png")
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+
+
+def per_checkpoint(values: list | None, count: int, name: str, default=None) -> list:
+    values = values or [default]
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        raise UserError(f"{len(values)} {name} values for {count} checkpoints: give one, or one per --checkpoint")
+    return values
+
+
+def run(args: argparse.Namespace) -> dict:
+    from torchtitan_ext.tokenizer import AssetsTokenizer
+
+    count = len(args.checkpoint)
+    configs = per_checkpoint(args.config, count, "--config")
+    modes = per_checkpoint(args.mode, count, "--mode", "full")
+    labels = per_checkpoint(args.label, count, "--label")
+    lengths = sorted(int(n) for n in args.context_lengths.split(","))
+    entries, tokenizer_dirs = zip(*(load_entry(c, cfg, m, lab, args.window, args.segment)
+                                    for c, cfg, m, lab in zip(args.checkpoint, configs, modes, labels)))
+    if len(set(tokenizer_dirs)) > 1:
+        raise UserError(f"the checkpoints use different tokenizers ({sorted(set(tokenizer_dirs))}): evaluate them separately")
+    for entry in entries:
+        for length in lengths:
+            check_context(entry, length)
+    tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=tokenizer_dirs[0])
+    docs = long_documents(args.dataset, tokenizer, lengths[-1], args.max_docs)
+    if not docs:
+        raise UserError(f"no document of at least {lengths[-1]} tokens in '{args.dataset}': use shorter "
+                        "--context-lengths or a dataset of longer documents")
+    runs = [{"label": e.label, "checkpoint": str(c), "mode": e.mode,
+             "results": {str(n): evaluate(e, docs, n, args.bucket, args.batch_size) for n in lengths}}
+            for e, c in zip(entries, args.checkpoint)]
+    return {"dataset": args.dataset, "context_lengths": lengths, "documents": len(docs), "runs": runs}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", action="append", required=True, help="DCP step folder (repeat for several)")
+    parser.add_argument("--config", action="append", required=True, help="<module>:<function> it was trained with")
+    parser.add_argument("--mode", action="append", choices=MODES)
+    parser.add_argument("--label", action="append")
+    parser.add_argument("--context-lengths", default="1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--dataset", default="embedded")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-docs", type=int, default=16)
+    parser.add_argument("--bucket", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--window", type=int, help="truncated/sliding span (default: the training seq_len)")
+    parser.add_argument("--segment", type=int, help="streaming segment (default: one chunk of the model)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        results = run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    write_outputs(results, args.out)
+    print(markdown(results))
+    print(f"wrote {args.out}/results.json, results.md, perplexity_vs_context.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Models from training configs and DCP checkpoints, outside a training run (one process, no
+process group): what evaluation and conversion scripts start from.
+
+- `build_model(module, function)`: the model of a `train_configs` function, on CPU, fp32,
+  eval mode, with its torchtitan config (tokenizer path, sequence length, ...).
+- `load_dcp_model(model, step_dir)`: the model weights of a DCP checkpoint step folder
+  (`<dump_folder>/checkpoint/step-N`, full or model-only), checked first: a checkpoint of
+  another family or size is a `UserError` naming the mismatch, not a silent partial load.
+- `causal_logits(model, tokens)`: logits of one document per row for any project model
+  (torchtitan decoders need their attention masks built; plain models build their own).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.preflight import parse
+
+
+def build_model(module: str, function: str, overrides: list[str] | None = None):
+    """(model, trainer config) for `--module module --config function [overrides]`."""
+    from torchtitan_ext import cpu
+
+    cpu.apply()
+    config = parse(["--module", module, "--config", function, *(overrides or [])])
+    with torch.device("cpu"):
+        model = config.model_spec.model.build()
+    if hasattr(model, "init_states"):
+        model.init_states()
+    return model.float().eval(), config
+
+
+def _checkpoint_tensors(step_dir: Path) -> dict:
+    """{key: TensorStorageMetadata} of a DCP checkpoint's tensors, or UserError."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not (step_dir / ".metadata").is_file():
+        raise UserError(f"'{step_dir}' is not a DCP checkpoint step folder (no .metadata): pass "
+                        "<dump_folder>/checkpoint/step-<N>")
+    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def check_compatible(model_state: dict, stored: dict, step_dir: Path, what: str) -> None:
+    """UserError unless every model weight is stored with the model's shape."""
+    missing = [k for k in model_state if k not in stored]
+    if missing:
+        raise UserError(f"checkpoint '{step_dir}' does not hold a {what}: {len(missing)} of {len(model_state)} weights "
+                        f"missing (e.g. '{missing[0]}'): pass the --module/--config it was trained with")
+    for key, tensor in model_state.items():
+        if tuple(stored[key].size) != tuple(tensor.shape):
+            raise UserError(f"checkpoint '{step_dir}' holds '{key}' with shape {tuple(stored[key].size)}, the {what} "
+                            f"has {tuple(tensor.shape)}: wrong size, pass the config it was trained with")
+
+
+def load_dcp_model(model: torch.nn.Module, step_dir: str | Path, what: str = "model of this config") -> None:
+    """Load the model weights of a DCP checkpoint into `model` (in place, no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    step_dir = Path(step_dir)
+    state = model.state_dict()
+    check_compatible(state, _checkpoint_tensors(step_dir), step_dir, what)
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    model.load_state_dict(state)
+
+
+def causal_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens (B, L), one document per row -> logits (B, L, vocab)."""
+    if hasattr(model, "get_attention_masks"):
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        return model(tokens, attention_masks=model.get_attention_masks(positions))
+    return model(tokens)
