@@ -15,6 +15,7 @@ Triton backends on CPU under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -31,11 +32,27 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _fits_tile(x: torch.Tensor) -> bool:
-    from kernels.triton_kernels import MAX_COLS, MAX_ROWS
+@functools.cache
+def _triton_module():
+    """The Triton kernels module, or None where it cannot be imported: triton is not
+    installed, or this is a Hugging Face export (it ships the torch paths only)."""
+    try:
+        return importlib.import_module("kernels.triton_kernels")
+    except ImportError:
+        return None
 
+
+def _triton(op: str):
+    module = _triton_module()
+    if module is None:
+        raise RuntimeError(f"{op}: the Triton kernels cannot be imported here (no triton, or an exported model): "
+                           "use backend='torch'")
+    return module
+
+
+def _fits_tile(x: torch.Tensor) -> bool:
     small, large = sorted(x.shape[-2:])
-    return small <= MAX_ROWS and large <= MAX_COLS
+    return small <= _triton_module().MAX_ROWS and large <= _triton_module().MAX_COLS
 
 
 def _resolve(op: str, backend: str, x: torch.Tensor, choices: tuple[str, ...]) -> str:
@@ -44,7 +61,7 @@ def _resolve(op: str, backend: str, x: torch.Tensor, choices: tuple[str, ...]) -
         raise ValueError(f"{op}: backend '{backend}' unknown: choose one of {choices}")
     if backend != "auto":
         return backend
-    if not x.is_cuda or x.dtype not in (torch.float32, torch.bfloat16):
+    if not x.is_cuda or x.dtype not in (torch.float32, torch.bfloat16) or _triton_module() is None:
         return "torch"
     if _fits_tile(x):
         return "triton"
@@ -55,13 +72,9 @@ def newton_schulz(x: torch.Tensor, steps: int = 5, backend: str = "auto", coeffi
     """Muon's quintic Newton-Schulz iteration on each matrix of x (..., rows, cols)."""
     backend = _resolve("newton_schulz", backend, x, BACKENDS)
     if backend == "triton":
-        from kernels.triton_kernels import newton_schulz_triton
-
-        return newton_schulz_triton(x.contiguous(), steps, coefficients)
+        return _triton("newton_schulz").newton_schulz_triton(x.contiguous(), steps, coefficients)
     if backend == "triton_blocked":
-        from kernels.triton_kernels import newton_schulz_blocked
-
-        return newton_schulz_blocked(x.contiguous(), steps, coefficients)
+        return _triton("newton_schulz").newton_schulz_blocked(x.contiguous(), steps, coefficients)
     reference = _compiled(newton_schulz_reference) if backend == "compiled" else newton_schulz_reference
     return reference(x, steps, coefficients)
 
@@ -70,8 +83,7 @@ def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: st
     """(new weight, new momentum) of one chunk step; see kernels/memory_update.py."""
     backend = _resolve("memory_update", backend, weight, MEMORY_UPDATE_BACKENDS)
     if backend == "triton":
-        from kernels.triton_kernels import memory_update_triton
-
-        return memory_update_triton(weight.contiguous(), momentum.contiguous(), grad.contiguous(), eta, alpha, ns_steps)
+        return _triton("memory_update").memory_update_triton(weight.contiguous(), momentum.contiguous(),
+                                                              grad.contiguous(), eta, alpha, ns_steps)
     reference = _compiled(memory_update_reference) if backend == "compiled" else memory_update_reference
     return reference(weight, momentum, grad, eta, alpha, ns_steps)
