@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_ext.checkpoints import build_model, causal_logits, load_dcp_model  # noqa: E402
+from torchtitan_ext.checkpoints import causal_logits, model_from_checkpoint  # noqa: E402
 from torchtitan_ext.errors import UserError  # noqa: E402
 
 MODES = ("full", "streaming", "truncated", "sliding")
@@ -68,8 +68,7 @@ def load_entry(checkpoint: str, config: str, mode: str, label: str | None, windo
     module, _, function = config.partition(":")
     if not function:
         raise UserError(f"--config '{config}' must be <module>:<function>, e.g. train_configs.mela:mela_debug")
-    model, trainer_config = build_model(module, function)
-    load_dcp_model(model, checkpoint, f"{function} model")
+    model, trainer_config = model_from_checkpoint(module, function, checkpoint)
     if mode == "streaming":
         if not hasattr(model, "stream"):
             raise UserError(f"{function} has no memory state to stream: use --mode full, truncated or sliding")

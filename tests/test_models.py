@@ -88,9 +88,9 @@ def test_tied_embeddings_are_retied_after_reinit_and_adapter_round_trips():
     assert model.lm_head.weight is model.tok_embeddings.weight
     adapter = IdentityStateDictAdapter(spec.model, None)
     hf = adapter.to_hf(model.state_dict())
-    assert "lm_head.weight" not in hf
+    assert "model.lm_head.weight" not in hf and "model.tok_embeddings.weight" in hf
     back = adapter.from_hf(hf)
-    assert set(back) == set(MLPLM(spec.model.model).state_dict()) and back["lm_head.weight"] is hf["tok_embeddings.weight"]
+    assert set(back) == set(MLPLM(spec.model.model).state_dict()) and back["lm_head.weight"] is hf["model.tok_embeddings.weight"]
 
 
 def test_torchtitan_wrapper_has_exactly_the_plain_model_keys():

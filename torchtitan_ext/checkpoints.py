@@ -20,15 +20,16 @@ from torchtitan_ext.errors import UserError
 from torchtitan_ext.preflight import parse
 
 
-def build_model(module: str, function: str, overrides: list[str] | None = None):
-    """(model, trainer config) for `--module module --config function [overrides]`."""
+def build_model(module: str, function: str, device: str = "cpu"):
+    """(model, trainer config) for `--module module --config function`, fp32, eval mode.
+    device "meta" builds the structure only (instant at any size: for checking shapes)."""
     from torchtitan_ext import cpu
 
     cpu.apply()
-    config = parse(["--module", module, "--config", function, *(overrides or [])])
-    with torch.device("cpu"):
+    config = parse(["--module", module, "--config", function])
+    with torch.device(device):
         model = config.model_spec.model.build()
-    if hasattr(model, "init_states"):
+    if device != "meta" and hasattr(model, "init_states"):
         model.init_states()
     return model.float().eval(), config
 
@@ -46,15 +47,20 @@ def _checkpoint_tensors(step_dir: Path) -> dict:
 
 
 def check_compatible(model_state: dict, stored: dict, step_dir: Path, what: str) -> None:
-    """UserError unless every model weight is stored with the model's shape."""
+    """UserError unless every model weight is stored with the model's shape; the one line
+    names the missing weights and the first shape that differs."""
     missing = [k for k in model_state if k not in stored]
+    resized = [k for k in model_state if k in stored and tuple(stored[k].size) != tuple(model_state[k].shape)]
+    if not (missing or resized):
+        return
+    problems = []
     if missing:
-        raise UserError(f"checkpoint '{step_dir}' does not hold a {what}: {len(missing)} of {len(model_state)} weights "
-                        f"missing (e.g. '{missing[0]}'): pass the --module/--config it was trained with")
-    for key, tensor in model_state.items():
-        if tuple(stored[key].size) != tuple(tensor.shape):
-            raise UserError(f"checkpoint '{step_dir}' holds '{key}' with shape {tuple(stored[key].size)}, the {what} "
-                            f"has {tuple(tensor.shape)}: wrong size, pass the config it was trained with")
+        problems.append(f"{len(missing)} of {len(model_state)} weights missing (e.g. '{missing[0]}')")
+    if resized:
+        key = resized[0]
+        problems.append(f"'{key}' has shape {tuple(stored[key].size)}, not {tuple(model_state[key].shape)}")
+    raise UserError(f"checkpoint '{step_dir}' does not hold a {what} ({'; '.join(problems)}): another family or "
+                    "size, pass the --module/--config it was trained with")
 
 
 def load_dcp_model(model: torch.nn.Module, step_dir: str | Path, what: str = "model of this config") -> None:
@@ -66,6 +72,16 @@ def load_dcp_model(model: torch.nn.Module, step_dir: str | Path, what: str = "mo
     check_compatible(state, _checkpoint_tensors(step_dir), step_dir, what)
     dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
     model.load_state_dict(state)
+
+
+def model_from_checkpoint(module: str, function: str, step_dir: str | Path):
+    """(model, trainer config) with the weights of a DCP step folder, checked against the
+    config's shapes before the model is materialised (a wrong size fails at once)."""
+    meta, _ = build_model(module, function, "meta")
+    check_compatible(meta.state_dict(), _checkpoint_tensors(Path(step_dir)), Path(step_dir), f"{function} model")
+    model, config = build_model(module, function)
+    load_dcp_model(model, step_dir, f"{function} model")
+    return model, config
 
 
 def causal_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -108,18 +108,21 @@ def parallelize_plain_decoder(model, *, parallel_dims, training, parallelism, co
 
 
 class IdentityStateDictAdapter(StateDictAdapter):
-    """HF keys = the plain model's keys (the HF export ships the same `models/` code).
-    A tied `lm_head.weight` is dropped on export (safetensors refuses shared tensors)
-    and re-linked on import."""
+    """HF keys = `model.` + the plain model's keys: the layout of the Hugging Face export
+    (`torchtitan_ext/hf_export.py`), whose wrapper holds the plain model as `model`. A tied
+    `lm_head.weight` is dropped on export (safetensors refuses shared tensors) and
+    re-linked on import."""
+
+    PREFIX = "model."
 
     def _tied(self) -> bool:
         return bool(getattr(self.model_config.model, "tie_embeddings", False))
 
     def to_hf(self, state_dict):
-        return {k: v for k, v in state_dict.items() if not (self._tied() and k == "lm_head.weight")}
+        return {self.PREFIX + k: v for k, v in state_dict.items() if not (self._tied() and k == "lm_head.weight")}
 
     def from_hf(self, hf_state_dict):
-        state = dict(hf_state_dict)
-        if self._tied():
+        state = {k.removeprefix(self.PREFIX): v for k, v in hf_state_dict.items()}
+        if self._tied() and "tok_embeddings.weight" in state:
             state["lm_head.weight"] = state["tok_embeddings.weight"]
         return state

@@ -1,0 +1,40 @@
+"""DCP checkpoint -> Hugging Face folder (sharded safetensors + index, config.json,
+generation_config.json, tokenizer files; remote code for the memory models).
+
+    python scripts/convert_to_hf.py --module train_configs.<family> --config <function> \\
+        --checkpoint <dump_folder>/checkpoint/step-N --out <dir> [--max-shard-size 2GB]
+
+Transformer++ becomes a standard LlamaForCausalLM; MLP-FFN LM, Titans and Mela load with
+AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True). See torchtitan_ext/hf_export.py.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan_ext.checkpoints import model_from_checkpoint  # noqa: E402
+from torchtitan_ext.errors import UserError  # noqa: E402
+from torchtitan_ext.hf_export import export  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--module", required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--max-shard-size", default="2GB")
+    args = parser.parse_args(argv)
+    try:
+        model, config = model_from_checkpoint(args.module, args.config, args.checkpoint)
+        export(model, config, args.out, args.max_shard_size)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

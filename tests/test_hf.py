@@ -1,0 +1,182 @@
+"""Hugging Face conversion (scripts/convert_to_hf.py, convert_from_hf.py) for every family.
+
+The exports are loaded in a child Python that sees only site-packages without this project
+(`python -S`, no editable-install hook, cwd elsewhere): what a user with torch, transformers
+and safetensors has."""
+
+from __future__ import annotations
+
+import os
+import site
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import train
+from torchtitan_ext.checkpoints import build_model, causal_logits, load_dcp_model
+
+FAMILIES = {
+    "transformer": "train_configs.transformer:transformer_small",
+    "mlp_lm": "train_configs.mlp_lm:mlp_lm_debug",
+    "titans": "train_configs.titans:titans_mac_debug",  # the variants share the model class and code
+    "mela": "train_configs.mela:mela_debug",
+}
+LENGTH = 80  # longer than one memory chunk (Titans: 16 tokens) and one Mela chunk (64 tokens)
+NEW_TOKENS = 32
+
+LOAD_IN_PLAIN_TRANSFORMERS = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+folder, inputs, out = sys.argv[1:]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+x = torch.load(inputs)
+with torch.no_grad():
+    logits = model(x).logits
+    generated = model.generate(x[:, :24], max_new_tokens=32, do_sample=False, min_new_tokens=32)
+project = [m for m in sys.modules if m.split(".")[0] in ("models", "kernels", "torchtitan", "torchtitan_ext")]
+torch.save({"logits": logits, "generated": generated, "class": type(model).__name__, "project": project}, out)
+"""
+
+
+def run_script(name: str, *args) -> int:
+    """Run scripts/<name>'s main in this process; its exit code (0 when it returns)."""
+    module = __import__(name.removesuffix(".py"))
+    try:
+        module.main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def native(config: str, folder):
+    """A model of `config` with random weights saved as a DCP step folder."""
+    torch.manual_seed(0)
+    model, _ = build_model(*config.split(":"))
+    with torch.no_grad():  # break the symmetry of zero-initialised parts
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
+    return model
+
+
+def greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            seq = torch.cat([seq, causal_logits(model, seq)[:, -1:].argmax(-1)], 1)
+    return seq
+
+
+def load_without_project(folder, inputs, tmp_path) -> dict:
+    out = tmp_path / "hf_outputs.pt"
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": site.getsitepackages()[0], "HF_HUB_OFFLINE": "1"}
+    child = subprocess.run([sys.executable, "-S", "-c", LOAD_IN_PLAIN_TRANSFORMERS, str(folder), str(inputs), str(out)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_export_matches_native_and_round_trips_bit_for_bit(family, tokenizer_dir, tmp_path):
+    config = FAMILIES[family]
+    module, function = config.split(":")
+    model = native(config, tmp_path / "dcp")
+    assert run_script("convert_to_hf.py", "--module", module, "--config", function, "--checkpoint", tmp_path / "dcp",
+                      "--out", tmp_path / "hf", "--max-shard-size", "1MB") == 0
+    files = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.model"} <= files
+    assert len([f for f in files if f.endswith(".safetensors")]) > 1  # sharded
+
+    x = torch.randint(0, 4096, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    torch.save(x, tmp_path / "x.pt")
+    hf = load_without_project(tmp_path / "hf", tmp_path / "x.pt", tmp_path)
+    assert hf["project"] == []
+    assert hf["class"] == ("LlamaForCausalLM" if family == "transformer" else "MemoryLMForCausalLM")
+    with torch.no_grad():
+        assert (hf["logits"] - causal_logits(model, x)).abs().max() < 1e-4
+    assert torch.equal(hf["generated"], greedy(model, x[:, :24], NEW_TOKENS))
+
+    assert run_script("convert_from_hf.py", "--module", module, "--config", function, "--hf", tmp_path / "hf",
+                      "--out", tmp_path / "dcp_back") == 0
+    reloaded, _ = build_model(module, function)
+    load_dcp_model(reloaded, tmp_path / "dcp_back")
+    original, restored = model.state_dict(), reloaded.state_dict()
+    assert original.keys() == restored.keys() and all(torch.equal(original[k], restored[k]) for k in original)
+
+
+def test_a_transformers_llama_converts_to_dcp_and_back_with_identical_logits(tokenizer_dir, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torchtitan_ext.transformer import FLAVORS
+
+    s = FLAVORS["small"]
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.dim, intermediate_size=s.ffn_hidden,
+                                         num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads,
+                                         num_key_value_heads=s.n_kv_heads, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                         tie_word_embeddings=False)).eval()
+    llama.save_pretrained(tmp_path / "llama")
+    args = ["--module", "train_configs.transformer", "--config", "transformer_small"]
+    assert run_script("convert_from_hf.py", *args, "--hf", tmp_path / "llama", "--out", tmp_path / "dcp") == 0
+    model, _ = build_model("train_configs.transformer", "transformer_small")
+    load_dcp_model(model, tmp_path / "dcp")
+    x = torch.randint(0, s.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (causal_logits(model, x) - llama(x).logits).abs().max() < 1e-4
+    assert run_script("convert_to_hf.py", *args, "--checkpoint", tmp_path / "dcp", "--out", tmp_path / "again") == 0
+    again = LlamaForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, llama(x).logits)
+
+
+@pytest.fixture(scope="module")
+def mlp_lm_export(tmp_path_factory, tokenizer_dir):
+    folder = tmp_path_factory.mktemp("mlp_lm")
+    native(FAMILIES["mlp_lm"], folder / "dcp")
+    assert run_script("convert_to_hf.py", "--module", "train_configs.mlp_lm", "--config", "mlp_lm_debug",
+                      "--checkpoint", folder / "dcp", "--out", folder / "hf") == 0
+    return folder
+
+
+@pytest.mark.parametrize("case,message", [
+    ("wrong_family", "does not hold a mela debug model"),
+    ("wrong_size", "does not hold a mlp_lm_600m model"),
+    ("no_checkpoint", "is not a DCP checkpoint step folder"),
+    ("no_weights", "no *.safetensors in"),
+])
+def test_bad_input_one_line_exit_2_nothing_written(case, message, mlp_lm_export, tmp_path, capsys):
+    mela = ["--module", "train_configs.mela", "--config", "mela_debug"]
+    out = ["--out", tmp_path / "out"]
+    code = {
+        "wrong_family": lambda: run_script("convert_from_hf.py", *mela, "--hf", mlp_lm_export / "hf", *out),
+        "wrong_size": lambda: run_script("convert_to_hf.py", "--module", "train_configs.mlp_lm", "--config", "mlp_lm_600m",
+                                         "--checkpoint", mlp_lm_export / "dcp", *out),
+        "no_checkpoint": lambda: run_script("convert_to_hf.py", *mela, "--checkpoint", tmp_path / "missing", *out),
+        "no_weights": lambda: run_script("convert_from_hf.py", *mela, "--hf", tmp_path, *out),
+    }[case]()
+    assert code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_training_resumes_from_a_converted_seed_checkpoint(tokenizer_dir, tmp_path):
+    model = native(FAMILIES["mela"], tmp_path / "dcp")
+    args = ["--module", "train_configs.mela", "--config", "mela_debug"]
+    assert run_script("convert_to_hf.py", *args, "--checkpoint", tmp_path / "dcp", "--out", tmp_path / "hf") == 0
+    seed = tmp_path / "run" / "checkpoint" / "step-0"
+    assert run_script("convert_from_hf.py", *args, "--hf", tmp_path / "hf", "--out", seed) == 0
+    run = train(args + ["--dump_folder", str(tmp_path / "run"), "--training.steps", "2", "--validator.no-enable",
+                        "--checkpoint.interval", "2"])
+    assert run.returncode == 0, run
+    assert "Loading the checkpoint from" in run.output and "step-0" in run.output
+    trained, _ = build_model(*FAMILIES["mela"].split(":"))
+    load_dcp_model(trained, tmp_path / "run" / "checkpoint" / "step-2")
+    # started from the converted weights: two small steps away from them, far from a fresh init
+    start, fresh = model.state_dict()["memory_init"], build_model(*FAMILIES["mela"].split(":"))[0].state_dict()["memory_init"]
+    moved = (trained.state_dict()["memory_init"] - start).abs().max()
+    assert moved < (fresh - start).abs().max() / 2, float(moved)
