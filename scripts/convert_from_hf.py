@@ -11,29 +11,21 @@ from it. (torchtitan can also read the HF folder itself: `--checkpoint.initial_l
 """
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan_ext.errors import UserError  # noqa: E402
 from torchtitan_ext.hf_export import import_weights  # noqa: E402
+from torchtitan_ext.paths import staged_folder  # noqa: E402
 
 
 def write_dcp(state: dict, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with staged_folder(out) as staging:
         dcp.save(state, checkpoint_id=str(staging), no_dist=True)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

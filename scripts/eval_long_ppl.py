@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan_ext.checkpoints import causal_logits, model_from_checkpoint  # noqa: E402
 from torchtitan_ext.errors import UserError  # noqa: E402
+from torchtitan_ext.paths import staged_folder  # noqa: E402
 
 MODES = ("full", "streaming", "truncated", "sliding")
 
@@ -119,16 +118,21 @@ def long_documents(dataset: str, tokenizer, min_tokens: int, max_docs: int) -> l
     return found
 
 
+def entry_logits(entry: Entry, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (B, L, vocab) of tokens (B, L) read in the entry's mode: one pass, or
+    segment by segment with the memory state carried (streaming)."""
+    if entry.mode != "streaming":
+        return causal_logits(entry.model, tokens)
+    logits, state = [], None
+    for start in range(0, tokens.shape[1], entry.segment):
+        out, state = entry.model.stream(tokens[:, start : start + entry.segment], state)
+        logits.append(out)
+    return torch.cat(logits, 1)
+
+
 def window_nll(entry: Entry, tokens: torch.Tensor) -> torch.Tensor:
     """NLL of tokens[:, 1:] given their prefix inside `tokens` alone: (B, L - 1)."""
-    if entry.mode == "streaming":
-        logits, state = [], None
-        for start in range(0, tokens.shape[1], entry.segment):
-            out, state = entry.model.stream(tokens[:, start : start + entry.segment], state)
-            logits.append(out)
-        logits = torch.cat(logits, 1)
-    else:
-        logits = causal_logits(entry.model, tokens)
+    logits = entry_logits(entry, tokens)
     return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), tokens[:, 1:], reduction="none")
 
 
@@ -207,15 +211,10 @@ def plot(results: dict, path: Path) -> None:
 
 
 def write_outputs(results: dict, out: Path) -> None:
-    """Write into a temporary sibling folder, then move it into place."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    (staging / "results.json").write_text(json.dumps(results, indent=2))
-    (staging / "results.md").write_text(markdown(results))
-    plot(results, staging / "perplexity_vs_context.png")
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    with staged_folder(out) as staging:
+        (staging / "results.json").write_text(json.dumps(results, indent=2))
+        (staging / "results.md").write_text(markdown(results))
+        plot(results, staging / "perplexity_vs_context.png")
 
 
 def per_checkpoint(values: list | None, count: int, name: str, default=None) -> list:

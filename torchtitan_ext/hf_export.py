@@ -19,12 +19,12 @@ import dataclasses
 import json
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from torchtitan_ext.errors import UserError
+from torchtitan_ext.paths import staged_folder
 
 REPO = Path(__file__).resolve().parents[1]
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
@@ -136,9 +136,7 @@ def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: st
 
     spec = trainer_config.model_spec
     name = family(spec.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with staged_folder(out) as staging:
         adapter = spec.state_dict_adapter(spec.model, None)
         state = {k: v.detach().clone() for k, v in adapter.to_hf(model.state_dict()).items()}
         save_safetensors(state, staging, max_shard_size)
@@ -149,11 +147,6 @@ def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: st
         for filename in TOKENIZER_FILES:
             if (tokenizer_dir / filename).is_file():
                 shutil.copy(tokenizer_dir / filename, staging / filename)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def import_weights(module: str, function: str, hf_folder: Path):

@@ -1,6 +1,10 @@
-"""Where the project keeps generated files (tokenizers, caches). Override with MNLM_CACHE."""
+"""Where the project keeps generated files (tokenizers, caches; override with MNLM_CACHE), and
+how outputs are written (a staged folder moved into place at the end)."""
 
+import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -13,3 +17,19 @@ def cache_dir() -> Path:
 def default_tokenizer_dir() -> Path:
     """The sentencepiece model trained on the embedded corpus (scripts/build_tokenizer.py)."""
     return cache_dir() / "tokenizer" / "embedded-sp4096"
+
+
+@contextlib.contextmanager
+def staged_folder(out: Path):
+    """Yield a temporary sibling of `out` to write into; on success it replaces `out`, on
+    failure it is removed and `out` is left as it was (nothing half-written)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
