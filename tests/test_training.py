@@ -59,8 +59,7 @@ def test_resume_reproduces_the_straight_run_bit_for_bit(tokenizer_dir, tmp_path)
 AC_MODES = {
     "transformer": {"eager-selective": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"],
                     "no-ac": ["activation-checkpoint:none"]},
-    "mela": {"eager-no-ac": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"],
-             "selective-ac": ["activation-checkpoint:selective"]},
+    "mela": {"eager-no-ac": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"]},
 }
 
 
