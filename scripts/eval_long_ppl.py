@@ -176,7 +176,7 @@ def evaluate(entry: Entry, docs: list[list[int]], length: int, bucket: int, batc
 
 def markdown(results: dict) -> str:
     lengths = results["context_lengths"]
-    lines = [f"Perplexity on `{results['dataset']}` (documents of at least the context length, first L tokens).", "",
+    lines = [f"Perplexity on `{Path(results['dataset']).name}` (documents of at least the context length, first L tokens).", "",
              "| model | mode | " + " | ".join(str(n) for n in lengths) + " |",
              "| --- | --- | " + " | ".join("---" for _ in lengths) + " |"]
     for run in results["runs"]:
@@ -196,14 +196,19 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(6, 4))
     lengths = results["context_lengths"]
     for run in results["runs"]:
         ax.plot(lengths, [run["results"][str(n)]["ppl"] for n in lengths], marker="o", label=f"{run['label']} ({run['mode']})")
     ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="perplexity",
-           title=f"Perplexity vs context ({results['dataset']})")
+           title=f"Perplexity vs context ({Path(results['dataset']).name})")
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

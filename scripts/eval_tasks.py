@@ -204,6 +204,7 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     tasks, lengths = results["tasks"], results["context_lengths"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.5), squeeze=False)
@@ -211,6 +212,7 @@ def plot(results: dict, path: Path) -> None:
         for run in results["runs"]:
             ax.plot(lengths, [run["scores"][task][str(n)] for n in lengths], marker="o", label=f"{run['label']} ({run['mode']})")
         ax.set(title=task, xscale="log", xlabel="context length (tokens)", ylabel="score", ylim=(-0.05, 1.05))
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticks(lengths, [str(n) for n in lengths])
     axes[0][0].legend()
     fig.tight_layout()
