@@ -123,6 +123,11 @@ class MelaConfig:
         return self.patch_size * self.chunk_size
 
     @property
+    def stream_segment(self) -> int:
+        """`Mela.stream` calls must be multiples of this (but the last): one chunk."""
+        return self.chunk_tokens
+
+    @property
     def window(self) -> int:
         """Attention span of a decoder token: its chunk and the chunk's memory tokens."""
         return self.chunk_tokens + self.chunk_size

@@ -21,6 +21,11 @@ Choices where the paper is silent (documented and tested):
 - Each row is one stream: attention windows and memory run across packed-document
   boundaries (the memory state is not reset at BOS). `positions` is accepted for
   torchtitan's call signature and ignored.
+- Streaming (`TitansLM.stream`): each block carries its memory state and its last
+  `window` normed attention inputs (MAG, MAL) and the token count (RoPE positions stay
+  absolute: persistent keys are not rotated, so scores depend on absolute positions) from
+  call to call, so a long text read in segments gives the one-pass outputs in constant
+  memory. MAC segments restart at every call: MAC calls must be whole windows but the last.
 - FFN is SwiGLU (Transformer++), norms are RMSNorm, embeddings untied.
 - The memory options (`memory`, a NeuralMemoryConfig) keep their defaults unless set:
   depth 2, expansion 4, momentum and forget gate on, max lr 0.01.
@@ -32,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -73,14 +79,20 @@ class TitansConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def stream_segment(self) -> int:
+        """`TitansLM.stream` calls must be multiples of this (but the last): MAC's segment."""
+        return self.window if self.variant == "mac" else 1
 
-def prefix_window_mask(n_prefix: int, window: int):
+
+def prefix_window_mask(n_prefix: int, window: int, offset: int = 0):
     """Keys = [prefix; sequence]: every query sees the prefix, and sequence keys j with
-    i - window < j <= i (query i)."""
+    i - window < j <= i, where query q_idx is sequence position i = q_idx + offset (the
+    sequence may start with `offset` earlier tokens that have no query)."""
 
     def mask_mod(q_idx, kv_idx):
-        j = kv_idx - n_prefix
-        return (kv_idx < n_prefix) | ((j <= q_idx) & (q_idx - j < window))
+        j, i = kv_idx - n_prefix, q_idx + offset
+        return (kv_idx < n_prefix) | ((j <= i) & (i - j < window))
 
     return mask_mod
 
@@ -155,14 +167,23 @@ class TitansBlock(nn.Module):
         self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
         self.last_memory_share: torch.Tensor | None = None
 
-    def _window_attention(self, h: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(h.shape[1], device=h.device)
-        return self.attention(h, positions, h, positions, prefix_window_mask(self.cfg.n_persistent, self.cfg.window))
+    def _window_attention(self, h: torch.Tensor, recent: torch.Tensor, seen: int):
+        """Sliding-window attention of the new normed inputs h (B, T, d) over [recent; h],
+        recent (B, p <= window, d) being the last inputs before them and `seen` the number
+        of tokens before h (absolute RoPE positions: persistent keys are not rotated, so
+        scores depend on the query's position). Returns the output (B, T, d) and the last
+        `window` inputs for the next call."""
+        keys = torch.cat([recent, h], 1)
+        offset = recent.shape[1]
+        positions = torch.arange(seen - offset, seen + h.shape[1], device=h.device)
+        out = self.attention(h, positions[offset:], keys, positions,
+                             prefix_window_mask(self.cfg.n_persistent, self.cfg.window, offset))
+        return out, keys[:, -self.cfg.window :]
 
     def _note_share(self, memory_part: torch.Tensor, total: torch.Tensor) -> None:
         self.last_memory_share = (memory_part.detach().norm() / total.detach().norm().clamp_min(1e-12))
 
-    def _mac(self, x: torch.Tensor, state: MemoryState | None) -> torch.Tensor:
+    def _mac(self, x: torch.Tensor, state: MemoryState | None, seen: int):
         cfg, outputs = self.cfg, []
         for start in range(0, x.shape[1], cfg.window):
             segment = x[:, start : start + cfg.window]
@@ -170,33 +191,56 @@ class TitansBlock(nn.Module):
             if state is None:
                 state = self.memory.empty_state(x.shape[0], dtype=x.dtype)
             retrieved = self.memory.retrieve(h, state)
-            positions = torch.arange(start, start + segment.shape[1], device=x.device)
+            positions = torch.arange(seen + start, seen + start + segment.shape[1], device=x.device)
             y = self.attention(h, positions, torch.cat([retrieved, h], 1), torch.cat([positions, positions]),
                                mac_mask(cfg.n_persistent, segment.shape[1]))
             m, state = self.memory(y, state)
             out = self.gate(y, m)
             outputs.append(segment + out)
-        x_new = torch.cat(outputs, 1)
         self._note_share((1 - self.gate.last_gate) * m, out)
-        return x_new
+        return torch.cat(outputs, 1), state
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, state: BlockState | None = None):
+        """x (B, T, dim) continuing the stream in `state` (None: fresh) -> (x', new state).
+        MAC segments restart at each call, so MAC calls must be whole windows but the last."""
         variant = self.cfg.variant
+        memory_state, recent, seen = state if state is not None else (None, x[:, :0], 0)
         if variant == "mac":
-            x = self._mac(x, None)
+            x, memory_state = self._mac(x, memory_state, seen)
         elif variant == "mag":
             h = self.memory_norm(x)
-            m, _ = self.memory(h)
-            out = self.gate(self._window_attention(h), m)
+            m, memory_state = self.memory(h, memory_state)
+            attended, recent = self._window_attention(h, recent, seen)
+            out = self.gate(attended, m)
             self._note_share((1 - self.gate.last_gate) * m, out)
             x = x + out
         else:
-            m, _ = self.memory(self.memory_norm(x))
+            m, memory_state = self.memory(self.memory_norm(x), memory_state)
             self._note_share(m, x)
             x = x + m
             if variant == "mal":
-                x = x + self._window_attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+                attended, recent = self._window_attention(self.attention_norm(x), recent, seen)
+                x = x + attended
+        return x + self.feed_forward(self.ffn_norm(x)), BlockState(memory_state, recent, seen + x.shape[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.step(x)[0]
+
+
+class BlockState(NamedTuple):
+    """A block's stream state: its memory's state, the last `window` normed attention
+    inputs (MAG, MAL; empty otherwise), and the number of tokens seen (RoPE positions)."""
+
+    memory: MemoryState
+    recent: torch.Tensor
+    seen: int
+
+
+class TitansState(NamedTuple):
+    """One BlockState per layer, and whether the last call ended on a MAC segment boundary."""
+
+    layers: tuple
+    on_boundary: bool = True
 
 
 class TitansLM(nn.Module):
@@ -249,6 +293,23 @@ class TitansLM(nn.Module):
             h = block(h)
         h = self.norm(h)
         return h if self._skip_lm_head else self.lm_head(h)
+
+    def stream(self, tokens: torch.Tensor, state: TitansState | None = None):
+        """tokens (B, T) continuing the stream in `state` (None: fresh) -> (logits, new
+        state); segment by segment equals one pass. MAC: every call but the last must be a
+        multiple of `window` tokens (`cfg.stream_segment`)."""
+        if state is not None and not state.on_boundary:
+            raise ValueError(f"Titans MAC streams whole segments: every call but the last must be a multiple of "
+                             f"window = {self.cfg.window} tokens")
+        h = self.tok_embeddings(tokens)
+        layers = state.layers if state is not None else (None,) * len(self.layers)
+        new = []
+        for block, block_state in zip(self.layers.values(), layers):
+            h, block_state = block.step(h, block_state)
+            new.append(block_state)
+        h = self.norm(h)
+        return (h if self._skip_lm_head else self.lm_head(h)), TitansState(
+            tuple(new), tokens.shape[1] % self.cfg.stream_segment == 0)
 
 
 def memory_diagnostics(model: nn.Module) -> dict[str, float]:

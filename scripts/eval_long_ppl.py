@@ -12,7 +12,8 @@ context is visible.
 
 Modes (one per checkpoint, or one for all):
 - full: the whole context in one forward pass;
-- streaming: memory models (Mela): segments of `--segment` tokens (default: one chunk), the
+- streaming: memory models (Mela, Titans): segments of `--segment` tokens (default: one Mela
+  chunk, or 64 tokens / one MAC window for Titans), the
   memory state carried between them, so memory use stays constant in L;
 - truncated: independent blocks of `--window` tokens (default: the training seq_len), the
   context reset at each block start (a Transformer++ baseline);
@@ -71,10 +72,10 @@ def load_entry(checkpoint: str, config: str, mode: str, label: str | None, windo
     if mode == "streaming":
         if not hasattr(model, "stream"):
             raise UserError(f"{function} has no memory state to stream: use --mode full, truncated or sliding")
-        chunk = model.cfg.chunk_tokens
-        segment = segment or chunk
-        if segment % chunk:
-            raise UserError(f"--segment {segment} must be a multiple of {function}'s chunk of {chunk} tokens")
+        unit = model.cfg.stream_segment
+        segment = segment or max(unit, 64)
+        if segment % unit:
+            raise UserError(f"--segment {segment} must be a multiple of {function}'s stream segment of {unit} tokens")
     entry = Entry(label or function, model, mode, window or trainer_config.training.seq_len, segment or 0,
                   trainer_config.model_spec.model.max_seq_len)
     return entry, trainer_config.hf_assets_path
@@ -270,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--window", type=int, help="truncated/sliding span (default: the training seq_len)")
-    parser.add_argument("--segment", type=int, help="streaming segment (default: one chunk of the model)")
+    parser.add_argument("--segment", type=int, help="streaming segment (default: the model's stream unit, at least 64 tokens)")
     return parser.parse_args(argv)
 
 

@@ -5,10 +5,11 @@ class, its config dataclass and the config fields that are dataclasses) next to 
 code copied from the project's `models/` and `kernels/`. This wrapper adds what
 `transformers` expects: `from_pretrained` / `save_pretrained`, a loss, and `generate()`.
 
-Generation with memory: models with a `stream(tokens, state)` method (Mela) carry their
-memory state from one generation step to the next: the state at the last chunk boundary
-and the logits before it are kept, and each step reads only the tokens after that
-boundary (exactly the one-pass logits, at a cost of one chunk per token).
+Generation with memory: models with a `stream(tokens, state)` method (Mela, Titans) carry
+their memory state from one generation step to the next: the state at the last stream
+boundary (`cfg.stream_segment`: a Mela chunk, a MAC window, any token for MAG/MAL/LMM) and
+the logits before it are kept, and each step reads only the tokens after that boundary
+(exactly the one-pass logits).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class MemoryLMForCausalLM(PreTrainedModel, GenerationMixin):
     def _streamed_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of input_ids (B, T), continuing from the cached chunk boundary when the
         cache holds a prefix of input_ids."""
-        span = self.model.cfg.chunk_tokens
+        span = self.model.cfg.stream_segment
         prefix, state, logits = self._stream_cache or (input_ids[:, :0], None, None)
         start = prefix.shape[1]
         if start > input_ids.shape[1] or not torch.equal(input_ids[:, :start], prefix):
