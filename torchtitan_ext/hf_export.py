@@ -109,10 +109,12 @@ def _llama_config(spec):
 
 def _remote_code(name: str, plain_config, folder: Path):
     """Write the remote code and return the HF config of a remote-code family."""
-    import sys
+    import importlib.util
 
-    sys.path.insert(0, str(REMOTE_CODE))
-    from configuration_memory_lm import MemoryLMConfig
+    spec = importlib.util.spec_from_file_location("configuration_memory_lm", REMOTE_CODE / "configuration_memory_lm.py")
+    configuration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(configuration)
+    MemoryLMConfig = configuration.MemoryLMConfig  # noqa: N806 (a class)
 
     module, cls, config_cls, nested = REMOTE_FAMILIES[name]
     for filename, text in model_sources(module).items():
