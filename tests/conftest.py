@@ -51,3 +51,23 @@ def train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None 
         cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
     )
     return Run(proc)
+
+
+@pytest.fixture
+def float64():
+    """float64 as the default dtype for one test (exactness checks)."""
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+def streamed(model, tokens: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """The model's outputs for tokens read call by call in segments of `splits` tokens,
+    the stream state carried (no gradients)."""
+    outputs, state, start = [], None, 0
+    with torch.no_grad():
+        for length in splits:
+            out, state = model.stream(tokens[:, start : start + length], state)
+            outputs.append(out)
+            start += length
+    return torch.cat(outputs, 1)

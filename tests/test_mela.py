@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import streamed
 from models.mela import Mela, MelaConfig
 from models.neural_memory import NeuralMemoryConfig
 from models.transformer import DecoderBlock
@@ -24,13 +25,6 @@ VARIANTS = {
 def small_model(seed: int = 0, **fields) -> Mela:
     torch.manual_seed(seed)
     return Mela(MelaConfig(**(SMALL | fields)))
-
-
-@pytest.fixture
-def float64():
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(torch.float32)
 
 
 def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
@@ -143,12 +137,7 @@ def test_segment_by_segment_equals_one_pass(segments, float64):
     x = tokens(2, sum(segments))
     with torch.no_grad():
         whole = model(x)
-        outputs, state, start = [], None, 0
-        for length in segments:
-            out, state = model.stream(x[:, start : start + length], state)
-            outputs.append(out)
-            start += length
-    torch.testing.assert_close(torch.cat(outputs, 1), whole, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(streamed(model, x, segments), whole, rtol=1e-10, atol=1e-10)
 
 
 def test_a_segment_ending_mid_chunk_must_be_the_last():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import streamed
 from models.neural_memory import NeuralMemoryConfig
 from models.titans import mac_mask, prefix_window_mask, TitansConfig, TitansLM, VARIANTS
 from param_counts import param_count
@@ -106,25 +107,16 @@ def test_memory_diagnostics_cover_every_layer(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_segment_by_segment_equals_one_pass(variant):
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        cfg = TitansConfig(variant=variant, vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, window=8, n_persistent=2,
-                           memory=NeuralMemoryConfig(chunk_size=3, expansion=2))
-        model = TitansLM(cfg).eval()
-        tokens = torch.randint(0, VOCAB, (2, 45), generator=torch.Generator().manual_seed(1))
-        splits = [8, 16, 8, 13] if variant == "mac" else [5, 1, 11, 20, 8]
-        with torch.no_grad():
-            whole = model(tokens)
-            outputs, state, start = [], None, 0
-            for length in splits:
-                out, state = model.stream(tokens[:, start : start + length], state)
-                outputs.append(out)
-                start += length
-        torch.testing.assert_close(torch.cat(outputs, 1), whole, rtol=1e-10, atol=1e-10)
-        if variant == "mac":
-            with pytest.raises(ValueError, match="multiple of window = 8 tokens"), torch.no_grad():
-                model.stream(tokens[:, :3], model.stream(tokens[:, :5])[1])
-    finally:
-        torch.set_default_dtype(torch.float32)
+def test_segment_by_segment_equals_one_pass(variant, float64):
+    torch.manual_seed(0)
+    cfg = TitansConfig(variant=variant, vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, window=8, n_persistent=2,
+                       memory=NeuralMemoryConfig(chunk_size=3, expansion=2))
+    model = TitansLM(cfg).eval()
+    tokens = torch.randint(0, VOCAB, (2, 45), generator=torch.Generator().manual_seed(1))
+    splits = [8, 16, 8, 13] if variant == "mac" else [5, 1, 11, 20, 8]
+    with torch.no_grad():
+        whole = model(tokens)
+    torch.testing.assert_close(streamed(model, tokens, splits), whole, rtol=1e-10, atol=1e-10)
+    if variant == "mac":
+        with pytest.raises(ValueError, match="multiple of window = 8 tokens"), torch.no_grad():
+            model.stream(tokens[:, :3], model.stream(tokens[:, :5])[1])
