@@ -6,7 +6,10 @@ differs from dim) are patchified by a 1-D convolution (kernel = stride = P) into
 over concat of its two input states, then memory blocks
     x += GatedAttention(RMSNorm x);  x += NeuralMemory(RMSNorm x)
 with the neural memory of `models/neural_memory.py` updated by eq. 10-11 (momentum, forget
-gate, Newton-Schulz-k on the momentum), processing patches in chunks of C.
+gate, Newton-Schulz-k on the momentum), processing patches in chunks of C, one update step
+per chunk (`gates="chunk"`: section 3.1 takes one gradient per chunk as the surprise, and
+Newton-Schulz orthogonalises that step). Mela describes none of the Titans layer's extras
+(q/k/v conv, SiLU on v, output norm and gate), so `mela_memory()` turns them off.
 
 Hierarchical latent recursion (section 3.2, HRM / TRM): l = h = x_p; H cycles, each with
 L L-module steps  l <- f_L(l, h) + ...  and one H-module step  h <- f_H(h, l); the first
@@ -61,6 +64,12 @@ from models.transformer import Attention, DecoderBlock
 FUSIONS = ("mlp", "h_only", "weighted_sum")
 
 
+def mela_memory(**overrides) -> NeuralMemoryConfig:
+    """Mela's neural-memory options (module docstring); `overrides` set any other field."""
+    return NeuralMemoryConfig(**dict(gates="chunk", conv_kernel=0, value_silu=False, output_norm=False,
+                                     output_gate=False) | overrides)
+
+
 @dataclass
 class MelaConfig:
     vocab_size: int = 4096
@@ -79,7 +88,7 @@ class MelaConfig:
     patch_size: int = 8  # P
     chunk_size: int = 8  # C: patches per memory chunk = memory tokens per decoder chunk
     # The neural memory's own options; dim / heads / chunk / Newton-Schulz steps are set from the fields here.
-    memory: NeuralMemoryConfig = field(default_factory=NeuralMemoryConfig)
+    memory: NeuralMemoryConfig = field(default_factory=mela_memory)
     # Ablations of Table 4.
     newton_schulz_steps: int = 5  # 0: plain momentum update (eq. 4-5 instead of 10-11)
     memstack: bool = True

@@ -1,31 +1,70 @@
-"""Titans neural long-term memory (003_*.txt section 2.3; 002_*.txt section 2.1, eq. 2-11).
+"""Titans neural long-term memory.
+
+Titans: Learning to Memorize at Test Time (Behrouz, Zhong, Mirrokni; arXiv:2501.00663),
+section 3, as restated in the MemoryLlama thesis (section 2.3, eq. 2.38-2.41), with Mela's
+Newton-Schulz update (Mela: Test-Time Memory Consolidation, eq. 10-11) as an option.
 
 The memory is a per-head MLP `M` (fast weights) written at test time by gradient descent
-on the associative loss `l(M; k_t, v_t) = ||M(k_t) - v_t||^2` (eq. 2.38 / 8):
+on the associative loss `l(M; k_t, v_t) = ||M(k_t) - v_t||^2`:
 
-    S_t = eta_t S_{t-1} - theta_t grad l(M_{t-1}; k_t, v_t)          (eq. 2.39 / 3)
-    M_t = (1 - alpha_t) M_{t-1} + S_t                                (eq. 2.40)
-    M_t = (1 - alpha_t) M_{t-1} + NewtonSchulz_k(S_t)                (Mela eq. 10-11, optional)
-    y_t = M_{t-1}(q_t)                                               (eq. 2.41 / 9)
+    S_t = eta_t S_{t-1} - theta_t u_t,   u_t = grad l(M; k_t, v_t)     (Titans eq. 10 / thesis 2.39)
+    M_t = (1 - alpha_t) M_{t-1} + S_t                                  (Titans eq. 13 / thesis 2.40)
+    M_t = (1 - alpha_t) M_{t-1} + NewtonSchulz_k(S_t)                  (Mela eq. 10-11)
+    y_t = M*(q_t), read from the state left by the previous chunk        (thesis 2.41)
 
-Chunked training (the fast path): the sequence is cut into chunks of C tokens; chunk c
-is written with one step whose gradient is the theta-weighted sum of its tokens'
-gradients, all taken against M_{c-1} (the state after chunk c-1), and the tokens of
-chunk c read M_{c-1}. Chunks follow one another in order (not all against the initial
-weights). Per chunk, eta and alpha are the means of their per-token values. With C = 1
-this is plain online gradient descent token by token.
+Chunked training: the sequence is cut into chunks of C tokens and the tokens of chunk c
+read the state left by chunk c-1 (M_{c-1}). Two write rules (`gates`):
+
+- "token" (default, the Titans paper's parallel form, its section 3.2): every token's
+  gradient u_t is taken at the chunk-start weights M_{c-1}, then the momentum and forget
+  gates are applied per token by the scan above. Unrolled over a chunk of tokens 1..C
+  (E = cumulative eta products, R = forget products to the chunk end):
+
+      S_C = (prod_j eta_j) S_0 - sum_i theta_i (prod_{i<j<=C} eta_j) u_i
+      M_C = (prod_j (1-alpha_j)) M_0 + (sum_t R_t E_t) S_0
+            - sum_i theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j) u_i
+
+  so the chunk costs two weighted sums of per-token gradients (one batched matmul per
+  weight matrix) and (C+1)^2 decay products from a log-space segment sum; decay and
+  momentum time scales do not depend on C. With C = 1 this is online gradient descent.
+- "chunk" (TTT / LaCT style): one optimiser step per chunk, S = mean(eta) S - sum_t theta_t u_t,
+  M = (1 - mean(alpha)) M + [NS](S), through `kernels.memory_update` (fused Triton on GPU).
+  Newton-Schulz needs this rule: NS is not linear, so orthogonalising every token's
+  momentum cannot be folded into weighted gradient sums (C NS iterations per chunk), and
+  Mela (section 3.1) writes one gradient per chunk ("the resulting gradient then serves
+  as the surprise signal"). `newton_schulz_steps > 0` with `gates="token"` is refused.
+
+Layer around the memory (Titans section 3 / 4.4 "architectural details"; each an option,
+the paper's choice the default): q, k, v linear projections, each followed by a causal
+depthwise 1D convolution (`conv_kernel` 4), then SiLU and L2 normalisation on q and k
+(`qk_norm`) and SiLU on v (`value_silu`); the read goes through a per-head RMSNorm
+(`output_norm`) and a gate (`output_gate`) before the output projection.
+
+Precision rule: the fast-weight state (weights, momentum, pending chunk) is float32 whatever
+the parameters' and activations' dtype (float64 when the activations are float64, so exact
+tests stay exact); the memory's inner matmuls run in that dtype and the read is cast back to
+the activations' dtype before the output norm. `state_dtype` forces another dtype (only to
+measure what bf16 state costs).
 
 Choices where the papers are silent (tested):
 - `M` has no residual inside: depth 1 is `x W`, depth L applies L matrices with SiLU
   between them (hidden width = expansion * head_dim). Initial weights are learned
   (`learned_init`), else a fixed random draw (zeros would never learn for depth >= 2).
-- The loss is summed over tokens and features; theta = max_lr * sigmoid(.), max_lr 0.01:
-  a chunk's step sums its tokens' gradients, so it stays stable for chunks up to 64
-  tokens with unit-norm keys (0.1 diverged to NaN within 10 steps for MAL at debug size).
-- q and k go through SiLU then L2 normalisation (`qk_norm`), as in Titans.
+- The loss is summed over tokens and features; theta = max_lr * sigmoid(.), max_lr 0.01
+  (0.1 diverged to NaN within 10 steps for MAL at debug size). The forget gate's logit is
+  offset by -4 (alpha starts near 0.018 per token).
+- The output gate is one sigmoid per head and token, computed from the layer input
+  (Linear(dim, n_heads), as titans-pytorch's retrieve gate): it keeps the paper-sized
+  parameter counts. The conv has no bias and torch's default init.
+- MAC's retrieval (`retrieve`) reads with queries of a different stream (the segment's
+  inputs, not the written attention outputs): their conv runs with zero history at each
+  call, while the written stream's conv history is carried in the state.
 - A trailing partial chunk is not written yet: its keys/values wait in the state
-  (`MemoryState.pending`) until the chunk completes in a later call, so processing a
-  sequence in segments of any length gives exactly the one-pass outputs.
+  (`MemoryState.pending`) until the chunk completes in a later call, and the conv carries
+  its last `conv_kernel - 1` inputs, so processing a sequence in segments of any length
+  gives exactly the one-pass outputs.
+- `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
+  at group boundaries is kept): fewer bytes saved per token for about one more forward.
 """
 
 from __future__ import annotations
@@ -37,8 +76,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kernels import memory_update as kernel_memory_update
+
+GATE_RULES = ("token", "chunk")
+FORGET_LOGIT_OFFSET = -4.0  # alpha = sigmoid(logit - 4): a fresh memory forgets ~1.8% per token
 
 
 @dataclass
@@ -51,12 +94,28 @@ class NeuralMemoryConfig:
     chunk_size: int = 64
     momentum: bool = True
     forget: bool = True
-    newton_schulz_steps: int = 0  # 0: plain update (Titans); 5: Mela eq. 10
+    gates: str = "token"  # "token": per-token scan (Titans 3.2); "chunk": one step per chunk (needed by NS)
+    newton_schulz_steps: int = 0  # 0: plain update (Titans); 5: Mela eq. 10 (needs gates="chunk")
+    conv_kernel: int = 4  # causal depthwise conv after the q/k/v projections; 0 = none
+    value_silu: bool = True
+    output_norm: bool = True
+    output_gate: bool = True
     kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled
     compiled_chunk_step: bool = False  # torch.compile each chunk step (CPU fast path; compiles once per shape)
+    checkpoint_chunks: int = 0  # recompute groups of this many chunks in backward; 0 = keep every chunk's tensors
+    state_dtype: str | None = None  # None: float32 (float64 for float64 activations); e.g. "bfloat16" to measure
     qk_norm: bool = True
     learned_init: bool = True
     max_lr: float = 0.01
+
+    def __post_init__(self):
+        if self.gates not in GATE_RULES:
+            raise ValueError(f"neural memory gates '{self.gates}' unknown: choose one of {GATE_RULES}")
+        if self.newton_schulz_steps and self.gates == "token":
+            raise ValueError("Newton-Schulz momentum (newton_schulz_steps > 0) orthogonalises one step per chunk: "
+                             "set gates='chunk' (or newton_schulz_steps=0)")
+        if self.conv_kernel < 0 or self.checkpoint_chunks < 0:
+            raise ValueError("conv_kernel and checkpoint_chunks must be >= 0")
 
     def layer_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of each memory weight matrix, e.g. depth 2: [(d, e*d), (e*d, d)]."""
@@ -67,15 +126,18 @@ class NeuralMemoryConfig:
 
 
 class MemoryState(NamedTuple):
-    """Fast weights and momentum, each a tuple of (B, H, in, out); `pending` holds the
-    (k, v, theta, eta, alpha) of a not-yet-complete chunk: (B, H, n, d) / (B, H, n)."""
+    """weights, momentum: tuples of (B, H, in, out) in the state dtype; `pending` holds the
+    (k, v, theta, log_eta, log_keep) of a not-yet-complete chunk: (B, H, n, d) / (B, H, n),
+    log_keep = log(1 - alpha); `conv` (B, conv_kernel - 1, 3 * H * d) the last q/k/v
+    projections before the conv (empty when there is no conv)."""
 
     weights: tuple[torch.Tensor, ...]
     momentum: tuple[torch.Tensor, ...]
     pending: tuple[torch.Tensor, ...]
+    conv: torch.Tensor
 
     def detach(self) -> "MemoryState":
-        return MemoryState(*(tuple(t.detach() for t in part) for part in self))
+        return MemoryState(*(tuple(t.detach() for t in part) for part in self[:3]), self.conv.detach())
 
 
 def silu_grad(x: torch.Tensor) -> torch.Tensor:
@@ -93,35 +155,69 @@ def mlp_forward(weights, x: torch.Tensor):
     return x, saved
 
 
-def associative_grads(weights, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor):
-    """grad_W sum_t theta_t ||M(k_t) - v_t||^2 for each weight (explicit backward).
-    k, v (B, H, N, d); theta (B, H, N)."""
-    out, saved = mlp_forward(weights, k)
-    delta = 2 * theta[..., None] * (out - v)
+def associative_grads(weights, saved, out: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor):
+    """Weighted sums of per-token gradients of l = ||M(k_t) - v_t||^2 (explicit backward):
+    for each weight matrix, (B, H, K, in, out) = sum_t token_weights[..., t, j] grad_W l_t
+    for the K weightings j. `saved`, `out` from `mlp_forward(weights, k)`; v (B, H, N, d);
+    token_weights (B, H, N, K)."""
+    delta = 2 * (out - v)
+    per_token = token_weights.transpose(-1, -2)[..., None]  # (B, H, K, N, 1)
     grads = [None] * len(weights)
     for i in reversed(range(len(weights))):
-        inp, _ = saved[i]
-        grads[i] = inp.transpose(-1, -2) @ delta
+        inp = saved[i][0]
+        grads[i] = inp.transpose(-1, -2).unsqueeze(2) @ (delta.unsqueeze(2) * per_token)
         if i > 0:
             delta = (delta @ weights[i].transpose(-1, -2)) * silu_grad(saved[i - 1][1])
     return grads
 
 
-def memory_update(weights, momentum, grads, eta: torch.Tensor, alpha: torch.Tensor, ns_steps: int, backend: str = "auto"):
-    """One chunk step for every weight matrix: S = eta S - G; M = (1 - alpha) M + [NS](S).
-    eta, alpha (B, H). Runs through `kernels.memory_update` (fused Triton kernel on GPU)."""
-    updated = [kernel_memory_update(w, s, g, eta, alpha, ns_steps, backend) for w, s, g in zip(weights, momentum, grads)]
-    return tuple(w for w, _ in updated), tuple(s for _, s in updated)
+def decay_products(log_gate: torch.Tensor) -> torch.Tensor:
+    """log_gate (..., C) of g_1..g_C -> (..., C + 1, C + 1) D with D[t, i] = prod_{i<j<=t} g_j
+    for 0 <= i <= t <= C (position 0 = the chunk start; D[t, t] = 1) and 0 above the
+    diagonal. A segment sum in log space: no division, exact zeros for g = 0 (log = -inf)."""
+    n = log_gate.shape[-1] + 1
+    padded = F.pad(log_gate, (1, 0))[..., :, None].expand(*log_gate.shape[:-1], n, n)  # [t, i] = log g_t
+    rows = torch.arange(n, device=log_gate.device)
+    strictly_lower = rows[:, None] > rows[None, :]
+    sums = padded.masked_fill(~strictly_lower, 0).cumsum(-2)
+    return sums.masked_fill(rows[:, None] < rows[None, :], float("-inf")).exp()
 
 
-def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, eta_c, alpha_c, ns_steps: int, backend: str):
+def token_scan_update(weights, momentum, saved, out, v_c, theta_c, log_eta_c, log_keep_c):
+    """Titans' per-token rule over one chunk (module docstring): gradients at the chunk-start
+    weights, eta and alpha applied per token. Returns (new weights, new momentum)."""
+    eta = decay_products(log_eta_c)  # [t, i] = prod_{i<j<=t} eta_j
+    keep = decay_products(log_keep_c)
+    to_end = keep[..., -1, :]  # [t] = prod_{t<j<=C} (1 - alpha_j)
+    carried = (to_end[..., 1:] * eta[..., 1:, 0]).sum(-1)  # sum_t R_t E_t: the old momentum's share in M_C
+    momentum_weights = theta_c * eta[..., -1, 1:]
+    weight_weights = theta_c * (to_end[..., None, 1:] @ eta[..., 1:, 1:]).squeeze(-2)
+    grads = associative_grads(weights, saved, out, v_c, torch.stack([momentum_weights, weight_weights], -1))
+    new_weights, new_momentum = [], []
+    for w, s, g in zip(weights, momentum, grads):
+        new_momentum.append(eta[..., -1, 0, None, None] * s - g[:, :, 0])
+        new_weights.append(keep[..., -1, 0, None, None] * w + carried[..., None, None] * s - g[:, :, 1])
+    return tuple(new_weights), tuple(new_momentum)
+
+
+def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c, gates: str, ns_steps: int,
+               backend: str):
     """One chunk: its tokens read the state left by the previous chunk, then the chunk is
-    written. q_c, k_c, v_c (B, H, C, d); theta_c, eta_c, alpha_c (B, H, C).
-    Returns (y_c, new weights, new momentum)."""
-    y_c = mlp_forward(weights, q_c)[0]
-    grads = associative_grads(weights, k_c, v_c, theta_c)
-    weights, momentum = memory_update(weights, momentum, grads, eta_c.mean(-1), alpha_c.mean(-1), ns_steps, backend)
-    return y_c, weights, momentum
+    written. q_c, k_c, v_c (B, H, C, d); theta_c, log_eta_c, log_keep_c (B, H, C).
+    Queries and keys go through M together (one matmul per layer). Returns
+    (y_c, new weights, new momentum)."""
+    size = q_c.shape[2]
+    both, saved_both = mlp_forward(weights, torch.cat([q_c, k_c], 2))
+    saved = [(inp[:, :, size:], pre[:, :, size:]) for inp, pre in saved_both]
+    y_c, out_k = both[:, :, :size], both[:, :, size:]
+    if gates == "token":
+        weights, momentum = token_scan_update(weights, momentum, saved, out_k, v_c, theta_c, log_eta_c, log_keep_c)
+        return y_c, weights, momentum
+    grads = associative_grads(weights, saved, out_k, v_c, theta_c[..., None])
+    eta, alpha = log_eta_c.exp().mean(-1), 1 - log_keep_c.exp().mean(-1)
+    updated = [kernel_memory_update(w, s, g[:, :, 0], eta, alpha, ns_steps, backend)
+               for w, s, g in zip(weights, momentum, grads)]
+    return y_c, tuple(w for w, _ in updated), tuple(s for _, s in updated)
 
 
 @functools.cache
@@ -130,47 +226,61 @@ def compiled_chunk_step():
     return torch.compile(chunk_step, dynamic=False, fullgraph=True)
 
 
-def chunked_memory(state: MemoryState, q, k, v, theta, eta, alpha, chunk: int, ns_steps: int, backend: str = "auto",
-                   compiled: bool = False):
+def run_chunks(step, weights, momentum, chunks, gates: str, ns_steps: int, backend: str):
+    """Apply `step` to each chunk's (q, k, v, theta, log_eta, log_keep) in order.
+    Returns (the chunks' reads, final weights, final momentum)."""
+    outputs = []
+    for chunk_inputs in chunks:
+        y_c, weights, momentum = step(weights, momentum, *chunk_inputs, gates, ns_steps, backend)
+        outputs.append(y_c)
+    return outputs, weights, momentum
+
+
+def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk: int, gates: str = "token",
+                   ns_steps: int = 0, backend: str = "auto", compiled: bool = False, checkpoint_chunks: int = 0):
     """Read and write a stream. q (B, H, T, d) are the new tokens' queries; k, v, theta,
-    eta, alpha cover pending + new tokens (p + T). Returns y (B, H, T, d), new state."""
+    log_eta, log_keep cover pending + new tokens (p + T). Returns y (B, H, T, d), new state
+    (its `conv` unchanged)."""
     pending = state.pending[0].shape[2]
     q = F.pad(q, (0, 0, pending, 0))  # placeholder queries for the pending tokens
     total = q.shape[2]
     full = total - total % chunk
     # Split once into per-chunk views (unbind): slicing chunk by chunk would make autograd
     # scatter every chunk's gradient into a full-length zero tensor (quadratic in T).
-    per_chunk = [t[:, :, :full].unflatten(2, (-1, chunk)).unbind(2) for t in (q, k, v, theta, eta, alpha)]
+    per_chunk = [t[:, :, :full].unflatten(2, (-1, chunk)).unbind(2) for t in (q, k, v, theta, log_eta, log_keep)]
+    chunks = list(zip(*per_chunk))
     weights, momentum = state.weights, state.momentum
     step = compiled_chunk_step() if compiled else chunk_step
+    group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else len(chunks)
     outputs = []
-    for chunk_inputs in zip(*per_chunk):
-        y_c, weights, momentum = step(weights, momentum, *chunk_inputs, ns_steps, backend)
-        outputs.append(y_c)
+    for start in range(0, len(chunks), max(group, 1)):
+        args = (step, weights, momentum, chunks[start : start + group], gates, ns_steps, backend)
+        ys, weights, momentum = checkpoint(run_chunks, *args, use_reentrant=False) if group < len(chunks) \
+            else run_chunks(*args)
+        outputs += ys
     if full < total:
         outputs.append(mlp_forward(weights, q[:, :, full:])[0])
     y = torch.cat(outputs, 2)[:, :, pending:]
-    new_pending = tuple(t[:, :, full:] for t in (k, v, theta, eta, alpha))
-    return y, MemoryState(weights, momentum, new_pending)
+    new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
+    return y, state._replace(weights=weights, momentum=momentum, pending=new_pending)
 
 
 class NeuralMemory(nn.Module):
     """Multi-head neural memory layer: x (B, T, dim) -> (y (B, T, dim), MemoryState)."""
-
-    # Added to the (theta, eta, alpha) logits: the forget gate starts near
-    # sigmoid(-4) = 0.018, so a fresh memory forgets little (a fixed offset rather
-    # than a bias init keeps the init a plain elementwise op under FSDP sharding).
-    GATE_OFFSETS = torch.tensor([0.0, 0.0, -4.0])[:, None, None]
 
     def __init__(self, cfg: NeuralMemoryConfig):
         super().__init__()
         self.cfg = cfg
         self.last_weight_norm = self.last_momentum_norm = None
         inner = cfg.n_heads * cfg.head_dim
-        self.to_q = nn.Linear(cfg.dim, inner, bias=False)
-        self.to_k = nn.Linear(cfg.dim, inner, bias=False)
-        self.to_v = nn.Linear(cfg.dim, inner, bias=False)
+        self.to_qkv = nn.Linear(cfg.dim, 3 * inner, bias=False)
+        if cfg.conv_kernel:
+            self.conv = nn.Conv1d(3 * inner, 3 * inner, cfg.conv_kernel, groups=3 * inner, bias=False)
         self.to_gates = nn.Linear(cfg.dim, 3 * cfg.n_heads)  # theta, eta, alpha logits
+        if cfg.output_norm:
+            self.out_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6)
+        if cfg.output_gate:
+            self.to_out_gate = nn.Linear(cfg.dim, cfg.n_heads)
         self.out = nn.Linear(inner, cfg.dim, bias=False)
         initial = [torch.empty(cfg.n_heads, i, o) for i, o in cfg.layer_shapes()]
         if cfg.learned_init:
@@ -188,53 +298,98 @@ class NeuralMemory(nn.Module):
     def reset_parameters(self) -> None:
         std = 0.02
         with torch.no_grad():
-            for linear in (self.to_q, self.to_k, self.to_v, self.out):
+            for linear in (self.to_qkv, self.out, self.to_gates):
                 nn.init.normal_(linear.weight, std=std)
-            nn.init.normal_(self.to_gates.weight, std=std)
             nn.init.zeros_(self.to_gates.bias)  # theta = max_lr / 2, eta = 0.5 at first
+            if self.cfg.conv_kernel:
+                self.conv.reset_parameters()
+            if self.cfg.output_norm:
+                self.out_norm.reset_parameters()
+            if self.cfg.output_gate:
+                nn.init.normal_(self.to_out_gate.weight, std=std)
+                nn.init.zeros_(self.to_out_gate.bias)
             for w in self.initial():
                 nn.init.normal_(w, std=w.shape[-2] ** -0.5)
+
+    def state_dtype(self, activation_dtype: torch.dtype) -> torch.dtype:
+        """float32, float64 for float64 activations, or the forced `cfg.state_dtype`."""
+        if self.cfg.state_dtype is not None:
+            return getattr(torch, self.cfg.state_dtype)
+        return torch.float64 if activation_dtype == torch.float64 else torch.float32
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim)).transpose(1, 2)
 
-    def empty_state(self, batch: int, device=None, dtype=None) -> MemoryState:
-        weights = tuple(w.expand(batch, *w.shape) for w in self.initial())
-        if dtype is not None:
-            weights = tuple(w.to(dtype) for w in weights)
+    def empty_state(self, batch: int, device=None, dtype: torch.dtype = torch.float32) -> MemoryState:
+        """A fresh stream for activations of `dtype`: the initial weights in the state dtype."""
+        state_dtype = self.state_dtype(dtype)
+        weights = tuple(w.to(state_dtype).expand(batch, *w.shape) for w in self.initial())
         h, d = self.cfg.n_heads, self.cfg.head_dim
         like = weights[0]
         pending = (like.new_zeros(batch, h, 0, d), like.new_zeros(batch, h, 0, d)) + tuple(
             like.new_zeros(batch, h, 0) for _ in range(3)
         )
-        return MemoryState(weights, tuple(torch.zeros_like(w) for w in weights), pending)
+        conv = torch.zeros(batch, max(self.cfg.conv_kernel - 1, 0), 3 * h * d, device=like.device, dtype=dtype)
+        return MemoryState(weights, tuple(torch.zeros_like(w) for w in weights), pending, conv)
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = self._heads(self.to_q(x))
+    def _convolve(self, projected: torch.Tensor, history: torch.Tensor, channels: slice):
+        """Causal depthwise conv of projected (B, T, c) after history (B, K-1, c) over the
+        conv's `channels`. Returns (conved (B, T, c), the last K-1 inputs)."""
+        kernel = self.cfg.conv_kernel
+        if not kernel:
+            return projected, history
+        padded = torch.cat([history.to(projected.dtype), projected], 1)
+        conved = F.conv1d(padded.transpose(1, 2), self.conv.weight[channels], groups=projected.shape[-1])
+        return conved.transpose(1, 2), padded[:, padded.shape[1] - (kernel - 1):]
+
+    def _query_heads(self, q: torch.Tensor) -> torch.Tensor:
+        q = self._heads(q)
         return F.normalize(F.silu(q), dim=-1) if self.cfg.qk_norm else q
 
-    def retrieve(self, x: torch.Tensor, state: MemoryState) -> torch.Tensor:
-        """Read without writing: M*(q_t) with the state's current weights (eq. 2.41)."""
-        y, _ = mlp_forward(state.weights, self.queries(x))
+    def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Read y (B, H, T, d) -> (B, T, dim): per-head norm, gate from the input x, projection."""
+        y = y.to(x.dtype)
+        if self.cfg.output_norm:
+            y = self.out_norm(y)
+        if self.cfg.output_gate:
+            y = y * torch.sigmoid(self.to_out_gate(x)).transpose(1, 2)[..., None]
         return self.out(y.transpose(1, 2).flatten(-2))
+
+    def retrieve(self, x: torch.Tensor, state: MemoryState) -> torch.Tensor:
+        """Read without writing: M*(q_t) with the state's current weights (thesis eq. 2.41).
+        The queries' conv starts from zero history at each call (module docstring)."""
+        inner = self.cfg.n_heads * self.cfg.head_dim
+        q = F.linear(x, self.to_qkv.weight[:inner])
+        q, _ = self._convolve(q, q.new_zeros(q.shape[0], max(self.cfg.conv_kernel - 1, 0), inner), slice(0, inner))
+        y, _ = mlp_forward(state.weights, self._query_heads(q).to(state.weights[0].dtype))
+        return self._output(y, x)
+
+    def _gates(self, x: torch.Tensor):
+        """theta, log eta, log(1 - alpha), each (B, H, T), in float32 at least."""
+        cfg = self.cfg
+        logits = self.to_gates(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).transpose(1, 2).unflatten(1, (3, cfg.n_heads))
+        theta_logit, eta_logit, alpha_logit = logits.unbind(1)
+        theta = cfg.max_lr * torch.sigmoid(theta_logit)
+        log_eta = F.logsigmoid(eta_logit) if cfg.momentum else torch.full_like(eta_logit, float("-inf"))
+        log_keep = F.logsigmoid(-(alpha_logit + FORGET_LOGIT_OFFSET)) if cfg.forget else torch.zeros_like(alpha_logit)
+        return theta, log_eta, log_keep
 
     def forward(self, x: torch.Tensor, state: MemoryState | None = None):
         cfg = self.cfg
         if state is None:
-            state = self.empty_state(x.shape[0], dtype=x.dtype)
-        k, v = self._heads(self.to_k(x)), self._heads(self.to_v(x))
-        if cfg.qk_norm:
-            k = F.normalize(F.silu(k), dim=-1)
-        logits = self.to_gates(x).transpose(1, 2).unflatten(1, (3, cfg.n_heads)) + self.GATE_OFFSETS.to(x.dtype)
-        theta, eta, alpha = torch.sigmoid(logits).unbind(1)
-        theta = cfg.max_lr * theta
-        eta = eta if cfg.momentum else torch.zeros_like(eta)
-        alpha = alpha if cfg.forget else torch.zeros_like(alpha)
-        new = (k, v, theta, eta, alpha)
+            state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
+        qkv, conv = self._convolve(self.to_qkv(x), state.conv, slice(None))
+        q, k, v = qkv.chunk(3, -1)
+        q, k, v = self._query_heads(q), self._query_heads(k), self._heads(v)
+        if cfg.value_silu:
+            v = F.silu(v)
+        dtype = state.weights[0].dtype
+        new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
-        y, state = chunked_memory(state, self.queries(x), *stream, cfg.chunk_size, cfg.newton_schulz_steps,
-                                  cfg.kernel_backend, cfg.compiled_chunk_step)
+        y, state = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, cfg.gates, cfg.newton_schulz_steps,
+                                  cfg.kernel_backend, cfg.compiled_chunk_step, cfg.checkpoint_chunks)
         # Diagnostics of the last forward (Frobenius norms over all weights / momenta).
-        self.last_weight_norm = torch.stack([w.detach().norm() for w in state.weights]).norm()
-        self.last_momentum_norm = torch.stack([s.detach().norm() for s in state.momentum]).norm()
-        return self.out(y.transpose(1, 2).flatten(-2)), state
+        self.last_weight_norm = torch.stack([w.detach().float().norm() for w in state.weights]).norm()
+        self.last_momentum_norm = torch.stack([s.detach().float().norm() for s in state.momentum]).norm()
+        return self._output(y, x), state._replace(conv=conv)

@@ -1,4 +1,5 @@
-"""Titans language models (003_*.txt section 2.3): decoder blocks, each with its own
+"""Titans language models (Titans: Learning to Memorize at Test Time, arXiv:2501.00663, as
+restated in the MemoryLlama thesis, section 2.3): decoder blocks, each with its own
 neural memory (`models/neural_memory.py`), in four variants:
 
 - LMM: memory-only blocks   x += Memory(norm x);                     x += FFN(norm x)
@@ -15,7 +16,11 @@ query at segment position i sees the persistent tokens, retrieved tokens r_j and
 tokens j for j <= i only (r_j carries token j's query, so a later r_j would leak).
 
 Choices where the paper is silent (documented and tested):
-- Gate(y, m) = g * y + (1 - g) * m with g = sigmoid(W_g y + b_g) per channel, b_g = 0.
+- Gate(y, m), the paper's non-linear gate (x) (`gate="paper"`, default): both branches
+  RMS-normalised with learnable vectors, then norm(y) * sigmoid(norm(m)), as the Titans
+  paper's section 4.2 describes it for MAG; MAC "reuses the gated design of MAG" (thesis,
+  eq. 2.51), so it takes the same gate. `gate="convex"` keeps the earlier
+  g * y + (1 - g) * m with g = sigmoid(W_g y + b_g) per channel, b_g = 0.
 - RoPE on queries and sequence keys (retrieved tokens take their token's position);
   persistent keys are not rotated.
 - Each row is one stream: attention windows and memory run across packed-document
@@ -28,7 +33,8 @@ Choices where the paper is silent (documented and tested):
   memory. MAC segments restart at every call: MAC calls must be whole windows but the last.
 - FFN is SwiGLU (Transformer++), norms are RMSNorm, embeddings untied.
 - The memory options (`memory`, a NeuralMemoryConfig) keep their defaults unless set:
-  depth 2, expansion 4, momentum and forget gate on, max lr 0.01.
+  depth 2, expansion 4, momentum and forget gate on, max lr 0.01, the per-token gate rule,
+  q/k/v conv of kernel 4, SiLU on v, output norm and gate (the paper's choices).
 Shapes: tokens (B, T) -> logits (B, T, vocab_size).
 """
 
@@ -48,6 +54,7 @@ from models.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
 from models.rope import apply_rope, rope_angles
 
 VARIANTS = ("mac", "mag", "mal", "lmm")
+GATES = ("paper", "convex")
 
 
 @dataclass
@@ -59,6 +66,7 @@ class TitansConfig:
     n_heads: int = 4
     window: int = 64  # sliding-window size; MAC segment length
     n_persistent: int = 4
+    gate: str = "paper"  # MAC / MAG output gate: "paper" (normalised branches, non-linear gate) or "convex"
     # The memory's own options; dim / n_heads / head_dim are filled in from the model's.
     memory: NeuralMemoryConfig = field(default_factory=lambda: NeuralMemoryConfig(chunk_size=16))
     rope_theta: float = 10000.0
@@ -70,6 +78,8 @@ class TitansConfig:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"Titans variant '{self.variant}' unknown: choose one of {VARIANTS}")
+        if self.gate not in GATES:
+            raise ValueError(f"Titans gate '{self.gate}' unknown: choose one of {GATES}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} must divide by n_heads {self.n_heads}")
         self.ffn_hidden = self.ffn_hidden or swiglu_hidden(self.dim)
@@ -109,18 +119,44 @@ def mac_mask(n_prefix: int, segment: int):
     return mask_mod
 
 
-class Gate(nn.Module):
-    """g * y + (1 - g) * m with g = sigmoid(W y + b). Keeps the last g for diagnostics."""
+class ConvexGate(nn.Module):
+    """g * y + (1 - g) * m with g = sigmoid(W y + b) per channel (`gate="convex"`)."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.proj = nn.Linear(dim, dim)
-        self.last_gate: torch.Tensor | None = None
+        self.last_gate = self.last_memory_part = None
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.proj.weight, std=std)
+        nn.init.zeros_(self.proj.bias)
 
     def forward(self, y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         g = torch.sigmoid(self.proj(y))
-        self.last_gate = g.detach()
+        self.last_gate, self.last_memory_part = g.detach(), ((1 - g) * m).detach()
         return g * y + (1 - g) * m
+
+
+class NormGate(nn.Module):
+    """The Titans paper's non-linear gate (`gate="paper"`; thesis eq. 2.47 / 2.51, o = y (x) M(x)):
+    both branches RMS-normalised with learnable vectors, then o = norm_y(y) * sigmoid(norm_m(m)).
+    The memory's part of o (diagnostics) is what the gate takes away: norm_y(y) * (1 - g)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.y_norm = nn.RMSNorm(dim, eps=eps)
+        self.m_norm = nn.RMSNorm(dim, eps=eps)
+        self.last_gate = self.last_memory_part = None
+
+    def reset_parameters(self, std: float) -> None:
+        self.y_norm.reset_parameters()
+        self.m_norm.reset_parameters()
+
+    def forward(self, y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        g = torch.sigmoid(self.m_norm(m))
+        normed = self.y_norm(y)
+        self.last_gate, self.last_memory_part = g.detach(), (normed * (1 - g)).detach()
+        return normed * g
 
 
 class PersistentAttention(nn.Module):
@@ -162,7 +198,7 @@ class TitansBlock(nn.Module):
         if cfg.variant == "mal":
             self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         if cfg.variant in ("mac", "mag"):
-            self.gate = Gate(cfg.dim)
+            self.gate = NormGate(cfg.dim, cfg.norm_eps) if cfg.gate == "paper" else ConvexGate(cfg.dim)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
         self.last_memory_share: torch.Tensor | None = None
@@ -189,7 +225,7 @@ class TitansBlock(nn.Module):
             segment = x[:, start : start + cfg.window]
             h = self.memory_norm(segment)
             if state is None:
-                state = self.memory.empty_state(x.shape[0], dtype=x.dtype)
+                state = self.memory.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
             retrieved = self.memory.retrieve(h, state)
             positions = torch.arange(seen + start, seen + start + segment.shape[1], device=x.device)
             y = self.attention(h, positions, torch.cat([retrieved, h], 1), torch.cat([positions, positions]),
@@ -197,7 +233,7 @@ class TitansBlock(nn.Module):
             m, state = self.memory(y, state)
             out = self.gate(y, m)
             outputs.append(segment + out)
-        self._note_share((1 - self.gate.last_gate) * m, out)
+        self._note_share(self.gate.last_memory_part, out)
         return torch.cat(outputs, 1), state
 
     def step(self, x: torch.Tensor, state: BlockState | None = None):
@@ -212,7 +248,7 @@ class TitansBlock(nn.Module):
             m, memory_state = self.memory(h, memory_state)
             attended, recent = self._window_attention(h, recent, seen)
             out = self.gate(attended, m)
-            self._note_share((1 - self.gate.last_gate) * m, out)
+            self._note_share(self.gate.last_memory_part, out)
             x = x + out
         else:
             m, memory_state = self.memory(self.memory_norm(x), memory_state)
@@ -280,8 +316,7 @@ class TitansLM(nn.Module):
                     nn.init.normal_(attn.wo.weight, std=residual_std)
                     nn.init.normal_(attn.persistent, std=std)
                 if hasattr(block, "gate"):
-                    nn.init.normal_(block.gate.proj.weight, std=std)
-                    nn.init.zeros_(block.gate.proj.bias)
+                    block.gate.reset_parameters(std)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None) -> torch.Tensor:
         if attention_masks is not None:

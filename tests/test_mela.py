@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from conftest import streamed
-from models.mela import Mela, MelaConfig
-from models.neural_memory import NeuralMemoryConfig
+from models.mela import Mela, MelaConfig, mela_memory
 from models.transformer import DecoderBlock
 
 SMALL = dict(vocab_size=64, dim=32, n_layers=3, n_heads=2, memory_heads=2, patch_size=2, chunk_size=4,
-             memory=NeuralMemoryConfig(expansion=2))  # chunks of 8 text tokens + 4 memory tokens
+             memory=mela_memory(expansion=2))  # chunks of 8 text tokens + 4 memory tokens
 VARIANTS = {
     "default": {},
     "no_memstack": dict(memstack=False),

@@ -33,27 +33,50 @@ def float64_by_default():
 def make_memory(**kw) -> NeuralMemory:
     torch.manual_seed(0)
     cfg = dict(dim=12, n_heads=2, head_dim=4, depth=2, expansion=2, chunk_size=3, max_lr=0.5)
+    if kw.get("newton_schulz_steps"):
+        cfg["gates"] = "chunk"
     memory = NeuralMemory(NeuralMemoryConfig(**{**cfg, **kw}))
     with torch.no_grad():  # livelier gates than the defaults, so every term matters
         memory.to_gates.weight.normal_(std=0.5)
         memory.to_gates.bias.fill_(0.0)
+        if memory.cfg.output_norm:
+            memory.out_norm.weight.normal_(1.0, 0.3)
+        if memory.cfg.output_gate:
+            memory.to_out_gate.weight.normal_(std=0.5)
     return memory
 
 
 def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
-    """The update rule written plainly: one batch row, one head, one token at a time;
-    per chunk, the theta-weighted gradients of its tokens (autograd, against the weights
-    before the chunk) are summed, then S = eta S - G, M = (1 - alpha) M + [NS](S)."""
+    """The layer written plainly: one batch row, one head, one token at a time. The conv
+    as a sum over the last K projections; per chunk, every token's gradient (autograd)
+    taken at the weights before the chunk; then either the per-token scan
+    S = eta_t S - theta_t u_t, M = (1 - alpha_t) M + S (gates="token"), or one step
+    S = mean(eta) S - sum theta_t u_t, M = (1 - mean(alpha)) M + [NS](S) (gates="chunk")."""
     cfg = memory.cfg
+    inner = cfg.n_heads * cfg.head_dim
+    projected = x @ memory.to_qkv.weight.T  # (B, T, 3 * inner)
+    if cfg.conv_kernel:
+        kernel = memory.conv.weight[:, 0]  # (3 * inner, K)
+        conved = torch.zeros_like(projected)
+        for t in range(x.shape[1]):
+            for j in range(cfg.conv_kernel):
+                source = t - (cfg.conv_kernel - 1) + j
+                if source >= 0:
+                    conved[:, t] += kernel[:, j] * projected[:, source]
+        projected = conved
 
     def heads(t):
         return t.view(*t.shape[:-1], cfg.n_heads, cfg.head_dim)
 
-    q, k, v = heads(memory.to_q(x)), heads(memory.to_k(x)), heads(memory.to_v(x))
+    q, k, v = (heads(projected[..., i * inner : (i + 1) * inner]) for i in range(3))
     if cfg.qk_norm:
         q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
+    if cfg.value_silu:
+        v = F.silu(v)
     gates = torch.sigmoid(memory.to_gates(x).view(*x.shape[:-1], 3, cfg.n_heads) + torch.tensor([0.0, 0.0, -4.0])[:, None])
     theta, eta, alpha = cfg.max_lr * gates[..., 0, :], gates[..., 1, :], gates[..., 2, :]
+    eta = eta if cfg.momentum else torch.zeros_like(eta)
+    alpha = alpha if cfg.forget else torch.zeros_like(alpha)
 
     def net(weights, inp):
         for i, w in enumerate(weights):
@@ -72,35 +95,62 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                 out[b, t, h] = net(weights, q[b, t, h])
             if len(tokens) < cfg.chunk_size:
                 break  # a partial chunk is not written yet
-            grads = [torch.zeros_like(w) for w in weights]
+            grads = {}
             for t in tokens:
                 with torch.enable_grad():
                     leaves = [w.detach().requires_grad_() for w in weights]
-                    loss = theta[b, t, h] * ((net(leaves, k[b, t, h]) - v[b, t, h]) ** 2).sum()
-                    dgrads = torch.autograd.grad(loss, leaves)
-                for g, dg in zip(grads, dgrads):
-                    g += dg
-            eta_c = eta[b, list(tokens), h].mean() if cfg.momentum else 0.0
-            alpha_c = alpha[b, list(tokens), h].mean() if cfg.forget else 0.0
-            momentum = [eta_c * s - g for s, g in zip(momentum, grads)]
+                    loss = ((net(leaves, k[b, t, h]) - v[b, t, h]) ** 2).sum()
+                    grads[t] = torch.autograd.grad(loss, leaves)
+            if cfg.gates == "token":
+                for t in tokens:
+                    momentum = [eta[b, t, h] * s - theta[b, t, h] * u for s, u in zip(momentum, grads[t])]
+                    weights = [(1 - alpha[b, t, h]) * w + s for w, s in zip(weights, momentum)]
+                continue
+            summed = [sum(theta[b, t, h] * grads[t][i] for t in tokens) for i in range(len(weights))]
+            eta_c, alpha_c = eta[b, list(tokens), h].mean(), alpha[b, list(tokens), h].mean()
+            momentum = [eta_c * s - g for s, g in zip(momentum, summed)]
             step = [newton_schulz(s, cfg.newton_schulz_steps) if cfg.newton_schulz_steps else s for s in momentum]
             weights = [(1 - alpha_c) * w + s for w, s in zip(weights, step)]
+    if cfg.output_norm:
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6) * memory.out_norm.weight
+    if cfg.output_gate:
+        out = out * torch.sigmoid(x @ memory.to_out_gate.weight.T + memory.to_out_gate.bias)[..., None]
     return memory.out(out.flatten(-2))
 
 
-CASES = [
-    dict(depth=d, momentum=m, forget=f, newton_schulz_steps=ns, chunk_size=c)
+TOKEN_CASES = [dict(gates="token", depth=d, chunk_size=c, **extra)
+               for d, c in itertools.product([1, 2], [1, 3, 8])
+               for extra in [{}, dict(momentum=False), dict(forget=False)]]
+CHUNK_CASES = [
+    dict(gates="chunk", depth=d, momentum=m, forget=f, newton_schulz_steps=ns, chunk_size=c)
     for d, m, f, ns, c in itertools.product([1, 2], [True, False], [True, False], [0, 5], [1, 3, 8])
     if not (m is False and f is False and ns == 5)
 ]
+LAYER_CASES = [dict(conv_kernel=0), dict(conv_kernel=2, value_silu=False), dict(output_norm=False, output_gate=False),
+               dict(qk_norm=False)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k[:3]}{int(v)}" for k, v in c.items()))
+@pytest.mark.parametrize("case", TOKEN_CASES + CHUNK_CASES + LAYER_CASES,
+                         ids=lambda c: "-".join(f"{k[:3]}{v if isinstance(v, str) else int(v)}" for k, v in c.items()))
 def test_chunked_path_equals_token_by_token_reference(case):
     memory = make_memory(**case)
     x = torch.randn(2, 17, 12)
     with torch.no_grad():
-        torch.testing.assert_close(memory(x)[0], reference(memory, x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(memory(x)[0], reference(memory, x), rtol=0, atol=1e-10)
+
+
+def test_token_and_chunk_gates_agree_at_chunk_one_and_differ_beyond():
+    x = torch.randn(1, 24, 12)
+    with torch.no_grad():
+        token, chunk = (make_memory(chunk_size=1, gates=g)(x)[0] for g in ("token", "chunk"))
+        torch.testing.assert_close(token, chunk, rtol=0, atol=1e-12)
+        token, chunk = (make_memory(chunk_size=8, gates=g)(x)[0] for g in ("token", "chunk"))
+    assert (token[:, 8:] - chunk[:, 8:]).abs().max() > 1e-3
+
+
+def test_newton_schulz_with_token_gates_is_refused():
+    with pytest.raises(ValueError, match="gates='chunk'"):
+        NeuralMemoryConfig(newton_schulz_steps=5, gates="token")
 
 
 def test_chunk_size_one_is_online_gradient_descent_and_differs_from_larger_chunks():
@@ -111,9 +161,10 @@ def test_chunk_size_one_is_online_gradient_descent_and_differs_from_larger_chunk
     torch.testing.assert_close(online[:, :1], chunked[:, :1])  # both read the initial weights first
 
 
+@pytest.mark.parametrize("gates", ["token", "chunk"])
 @pytest.mark.parametrize("splits", [[17], [1, 16], [3, 3, 11], [5, 2, 7, 3], [16, 1]])
-def test_streaming_in_segments_equals_one_pass(splits):
-    memory = make_memory(newton_schulz_steps=5)
+def test_streaming_in_segments_equals_one_pass(splits, gates):
+    memory = make_memory(**(dict(gates="chunk", newton_schulz_steps=5) if gates == "chunk" else {}))
     x = torch.randn(2, 17, 12)
     with torch.no_grad():
         whole, whole_state = memory(x)
@@ -122,7 +173,7 @@ def test_streaming_in_segments_equals_one_pass(splits):
             y, state = memory(piece, state)
             parts.append(y)
     torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=0, atol=1e-10)
-    for a, b in zip(state.weights, whole_state.weights):
+    for a, b in zip(state.weights + (state.conv,), whole_state.weights + (whole_state.conv,)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
@@ -137,12 +188,12 @@ def write_and_recall(n_pairs: int, passes: int, depth: int, lr: float = 0.5) -> 
         dim=d, n_heads=1, head_dim=d, depth=depth, expansion=2).layer_shapes())
     empty = torch.zeros(1, 1, 0)
     state = MemoryState(weights, tuple(torch.zeros_like(w) for w in weights),
-                        (torch.zeros(1, 1, 0, d), torch.zeros(1, 1, 0, d), empty, empty, empty))
+                        (torch.zeros(1, 1, 0, d), torch.zeros(1, 1, 0, d), empty, empty, empty), torch.zeros(1, 0, 3 * d))
     untouched = state
     for _ in range(passes):
-        n = keys.shape[2]
-        ones = torch.ones(1, 1, n)
-        _, state = chunked_memory(state, keys, keys, values, lr * ones, 0 * ones, 0 * ones, chunk=4, ns_steps=0)
+        ones = torch.ones(1, 1, keys.shape[2])
+        no_momentum, no_forget = torch.full_like(ones, float("-inf")), 0 * ones
+        _, state = chunked_memory(state, keys, keys, values, lr * ones, no_momentum, no_forget, chunk=4)
 
     def error(s):
         recalled, _ = mlp_forward(s.weights, keys)
@@ -172,13 +223,21 @@ def test_explicit_gradient_equals_autograd():
     g = torch.Generator().manual_seed(3)
     weights = [torch.randn(2, 2, 4, 6, generator=g, requires_grad=True), torch.randn(2, 2, 6, 4, generator=g, requires_grad=True)]
     k, v, theta = torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g), torch.rand(2, 2, 5, generator=g)
-    h = F.silu(k @ weights[0]) @ weights[1]
-    expected = torch.autograd.grad((theta[..., None] * (h - v) ** 2).sum(), weights)
-    for got, want in zip(associative_grads(weights, k, v, theta), expected):
-        torch.testing.assert_close(got, want)
+    other = torch.randn(2, 2, 5, generator=g)
+
+    def loss(token_weight):
+        return (token_weight[..., None] * (F.silu(k @ weights[0]) @ weights[1] - v) ** 2).sum()
+
+    expected = [torch.autograd.grad(loss(w), weights) for w in (theta, other)]
+    out, saved = mlp_forward(weights, k)
+    got = associative_grads(weights, saved, out, v, torch.stack([theta, other], -1))
+    for i in range(2):
+        for layer in range(2):
+            torch.testing.assert_close(got[layer][:, :, i], expected[i][layer])
 
 
-def test_gradcheck_of_the_chunked_update():
+@pytest.mark.parametrize("gates_rule,ns_steps", [("token", 0), ("chunk", 5)])
+def test_gradcheck_of_the_chunked_update(gates_rule, ns_steps):
     g = torch.Generator().manual_seed(4)
     shapes = [(1, 1, 3, 4), (1, 1, 4, 3)]
     inputs = [torch.randn(s, generator=g, requires_grad=True) * 0.5 for s in shapes]
@@ -188,9 +247,10 @@ def test_gradcheck_of_the_chunked_update():
 
     def run(w0, w1, q, k, v, theta, eta, alpha):
         state = MemoryState((w0, w1), (torch.zeros_like(w0), torch.zeros_like(w1)),
-                            (k[:, :, :0], v[:, :, :0], theta[..., :0], eta[..., :0], alpha[..., :0]))
-        y, s = chunked_memory(state, q, k, v, theta, eta, alpha, chunk=2, ns_steps=5)
-        return y, *s.weights
+                            (k[:, :, :0], v[:, :, :0], theta[..., :0], eta[..., :0], alpha[..., :0]), q[0, 0, :0])
+        y, s = chunked_memory(state, q, k, v, theta, eta.log(), (1 - alpha).log(), chunk=2, gates=gates_rule,
+                              ns_steps=ns_steps)
+        return y, *s.weights, *s.momentum
 
     assert torch.autograd.gradcheck(run, (*inputs, q, k, v, *gates))
 
@@ -218,13 +278,27 @@ def test_newton_schulz_matches_muon_and_pushes_singular_values_to_one():
     assert (s - 1).abs().max() < (before - 1).abs().max()
 
 
+def fwd_bwd(memory: NeuralMemory) -> list[torch.Tensor]:
+    """Output, final weights and every parameter's gradient of one forward + backward."""
+    y, state = memory(torch.randn(2, 17, 12, generator=torch.Generator().manual_seed(0)))
+    y.square().sum().backward()
+    return [y.detach(), *state.weights] + [p.grad for p in memory.parameters()]
+
+
+@pytest.mark.parametrize("gates", ["token", "chunk"])
+def test_recomputing_groups_of_chunks_changes_nothing(gates):
+    extra = dict(gates="chunk", newton_schulz_steps=5) if gates == "chunk" else {}
+    kept, recomputed = (fwd_bwd(make_memory(checkpoint_chunks=n, **extra)) for n in (0, 2))
+    for a, b in zip(kept, recomputed):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 @pytest.mark.slow
-def test_compiled_chunk_step_matches_eager():
+@pytest.mark.parametrize("gates", ["token", "chunk"])
+def test_compiled_chunk_step_matches_eager(gates):
     results = []
+    extra = dict(newton_schulz_steps=5) if gates == "chunk" else {}
     for compiled in (False, True):  # float64: fp32 rounding differences grow through 5 Newton-Schulz steps
-        memory = make_memory(newton_schulz_steps=5, compiled_chunk_step=compiled)
-        y, state = memory(torch.randn(2, 17, 12, generator=torch.Generator().manual_seed(0)))
-        y.square().sum().backward()
-        results.append([y.detach(), *state.weights] + [p.grad for p in memory.parameters()])
+        results.append(fwd_bwd(make_memory(compiled_chunk_step=compiled, gates=gates, **extra)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)

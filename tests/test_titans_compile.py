@@ -32,8 +32,8 @@ def test_compiled_block_matches_eager(variant):
     block, x = block_and_input(variant)
     eager = outputs_and_grads(block, x, block)
     compiled = outputs_and_grads(block, x, torch.compile(block, fullgraph=True))
-    for a, b in zip(eager, compiled):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(eager, compiled):  # fp32 rounding: tolerance relative to each tensor's scale
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * max(1.0, a.abs().max().item()))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

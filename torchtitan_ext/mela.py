@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from torchtitan.protocols.model_spec import ModelSpec
 
-from models.mela import Mela, MelaConfig
-from models.neural_memory import NeuralMemoryConfig
+from models.mela import Mela, MelaConfig, mela_memory
 from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
 
 PAPER = dict(vocab_size=32000, h_layers=8, h_cycles=4, l_cycles=4, patch_size=32, chunk_size=64)
@@ -37,7 +36,7 @@ FLAVORS = {
                  memory_dim=1024, memory_heads=16, memory_kv_heads=8, l_layers=8),
     "1b2": dict(PAPER, dim=1536, n_layers=32, n_heads=24, n_kv_heads=6, ffn_hidden=4096,
                 memory_dim=1024, memory_heads=16, memory_kv_heads=4, l_layers=8,
-                memory=NeuralMemoryConfig(expansion=2)),
+                memory=mela_memory(expansion=2)),
 }
 
 TorchtitanMela = torchtitan_model(Mela, MelaConfig)

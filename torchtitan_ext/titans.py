@@ -2,15 +2,17 @@
 
 The Titans paper names sizes (170M, 400M, 760M) but not shapes. Ours: 32K vocabulary,
 untied embeddings, head_dim 64, SwiGLU FFN, memory depth 2 with expansion 4, window
-(= MAC segment) 512, 4 persistent tokens, memory chunk 64. Parameters
-(`scripts/param_counts.py`; MAG = MAC, MAL has one more norm and no gate, LMM no attention):
+(= MAC segment) 512, 4 persistent tokens, memory chunk 64 with the paper's per-token gate
+rule, q/k/v conv, output norm and gate, and the paper's MAC/MAG gate. Parameters
+(`scripts/param_counts.py`; MAC, MAG and MAL agree within 0.1M: the paper gate's two norms
+vs MAL's extra norm; LMM has no attention):
 
-| flavor | dim | layers | heads | MAC / MAG | MAL | LMM |
-| --- | --- | --- | --- | --- | --- | --- |
-| debug | 128 | 2 | 2 | 1.9M | 1.8M | 1.7M (4096 vocab, window 64, chunk 16) |
-| 170m | 768 | 12 | 12 | 174.6M | 167.5M | 139.2M |
-| 400m | 1024 | 18 | 16 | 401.6M | 382.7M | 307.1M |
-| 760m | 1536 | 16 | 24 | 754.6M | 716.8M | 565.7M |
+| flavor | dim | layers | heads | MAC / MAG / MAL | LMM |
+| --- | --- | --- | --- | --- | --- |
+| debug | 128 | 2 | 2 | 1.8M | 1.7M (4096 vocab, window 64, chunk 16) |
+| 170m | 768 | 12 | 12 | 167.7M | 139.4M |
+| 400m | 1024 | 19 | 16 | 400.9M | 321.1M |
+| 760m | 1536 | 17 | 24 | 756.4M | 595.8M |
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ PAPER = dict(vocab_size=32000, window=512, n_persistent=4, max_seq_len=131072, m
 FLAVORS = {
     "debug": dict(vocab_size=4096, dim=128, n_layers=2, n_heads=2, window=64, memory=NeuralMemoryConfig(chunk_size=16)),
     "170m": dict(PAPER, dim=768, n_layers=12, n_heads=12),
-    "400m": dict(PAPER, dim=1024, n_layers=18, n_heads=16),
-    "760m": dict(PAPER, dim=1536, n_layers=16, n_heads=24),
+    "400m": dict(PAPER, dim=1024, n_layers=19, n_heads=16),
+    "760m": dict(PAPER, dim=1536, n_layers=17, n_heads=24),
 }
 
 TorchtitanTitansLM = torchtitan_model(TitansLM, TitansConfig)
