@@ -186,8 +186,7 @@ def decay_products(log_gate: torch.Tensor) -> torch.Tensor:
 def token_scan_update(weights, momentum, saved, out, v_c, theta_c, log_eta_c, log_keep_c):
     """Titans' per-token rule over one chunk (module docstring): gradients at the chunk-start
     weights, eta and alpha applied per token. Returns (new weights, new momentum)."""
-    eta = decay_products(log_eta_c)  # [t, i] = prod_{i<j<=t} eta_j
-    keep = decay_products(log_keep_c)
+    eta, keep = decay_products(torch.stack([log_eta_c, log_keep_c])).unbind(0)  # [t, i] = prod_{i<j<=t} eta_j
     to_end = keep[..., -1, :]  # [t] = prod_{t<j<=C} (1 - alpha_j)
     carried = (to_end[..., 1:] * eta[..., 1:, 0]).sum(-1)  # sum_t R_t E_t: the old momentum's share in M_C
     momentum_weights = theta_c * eta[..., -1, 1:]
