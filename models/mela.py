@@ -25,6 +25,14 @@ Choices where the paper is silent (each tested in tests/test_mela.py):
 - No leak: chunk c's memory tokens are the HMM outputs of chunk c-1's C patches (they
   depend on tokens before chunk c only). Chunk 0 of a fresh stream reads a learned
   `memory_init` (C, dim), with zero MemStack additions.
+- Read after write (`memory_read="after_write"`, default): inside the HMM, the patches of
+  memory chunk c read their neural memories after chunk c is written (M_c, not M_{c-1}).
+  Their outputs are consumed only by decoder chunk c+1, so this stays causal, and every
+  write reaches the loss as soon as a sequence has a second decoder chunk. Reading before
+  the write ("before_write", the Titans order) leaves the writes of the last two chunks
+  unread: at the paper's ratio (4096 tokens = 2 chunks of P*C = 2048) the memory's k/v
+  projections and gates would get exactly zero gradient. `min_trainable_seq_len` is the
+  shortest training sequence whose loss reaches every memory write path.
 - Inside the HMM, attention is causal over the patches of the same chunk (chunk-local), so
   the neural memories are the only cross-chunk channel there too and the carried state
   has constant size. Patch positions for RoPE are chunk-local (0..C-1).
@@ -62,6 +70,7 @@ from models.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
 from models.transformer import Attention, DecoderBlock
 
 FUSIONS = ("mlp", "h_only", "weighted_sum")
+MEMORY_READS = ("after_write", "before_write")
 
 
 def mela_memory(**overrides) -> NeuralMemoryConfig:
@@ -94,6 +103,7 @@ class MelaConfig:
     memstack: bool = True
     attention_gating: bool = True
     fusion: str = "mlp"  # "mlp" | "h_only" | "weighted_sum"
+    memory_read: str = "after_write"  # HMM memory chunk c reads M_c ("after_write") or M_{c-1} ("before_write")
     memory_attention: bool = True  # gated attention inside the memory blocks
     neural_memory: bool = True  # neural memory inside the memory blocks
     rope_theta: float = 10000.0
@@ -109,6 +119,8 @@ class MelaConfig:
         self.ffn_hidden = self.ffn_hidden or swiglu_hidden(self.dim)
         if self.fusion not in FUSIONS:
             raise ValueError(f"Mela fusion '{self.fusion}' unknown: choose one of {FUSIONS}")
+        if self.memory_read not in MEMORY_READS:
+            raise ValueError(f"Mela memory_read '{self.memory_read}' unknown: choose one of {MEMORY_READS}")
         if not (self.memory_attention or self.neural_memory):
             raise ValueError("Mela memory blocks need attention or neural memory (or both): do not turn off both")
         if self.memstack and self.h_cycles - 1 > self.n_layers:
@@ -120,6 +132,7 @@ class MelaConfig:
         self.memory = dataclasses.replace(
             self.memory, dim=self.memory_dim, n_heads=self.memory_heads, head_dim=self.memory_dim // self.memory_heads,
             chunk_size=self.chunk_size, newton_schulz_steps=self.newton_schulz_steps,
+            read_after_write=self.memory_read == "after_write",
         )
 
     @property
@@ -135,6 +148,12 @@ class MelaConfig:
     def stream_segment(self) -> int:
         """`Mela.stream` calls must be multiples of this (but the last): one chunk."""
         return self.chunk_tokens
+
+    @property
+    def min_trainable_seq_len(self) -> int:
+        """Shortest training sequence whose loss reaches the memory writes: a second decoder
+        chunk reading after the write, a third reading before it."""
+        return (1 if self.memory_read == "after_write" else 2) * self.chunk_tokens + 1
 
     @property
     def window(self) -> int:

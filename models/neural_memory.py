@@ -63,6 +63,10 @@ Choices where the papers are silent (tested):
   (`MemoryState.pending`) until the chunk completes in a later call, and the conv carries
   its last `conv_kernel - 1` inputs, so processing a sequence in segments of any length
   gives exactly the one-pass outputs.
+- `read_after_write` (used by Mela's HMM, whose chunk-c outputs feed only later decoder
+  chunks): chunk c reads M_c, the state after its own write, instead of M_{c-1}. Not causal
+  inside a chunk, so only for consumers that use a chunk's outputs after the whole chunk;
+  it needs whole chunks.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
 """
@@ -103,6 +107,7 @@ class NeuralMemoryConfig:
     kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled
     compiled_chunk_step: bool = False  # torch.compile each chunk step (CPU fast path; compiles once per shape)
     checkpoint_chunks: int = 0  # recompute groups of this many chunks in backward; 0 = keep every chunk's tensors
+    read_after_write: bool = False  # a chunk reads the state after its own write (Mela's HMM; whole chunks only)
     state_dtype: str | None = None  # None: float32 (float64 for float64 activations); e.g. "bfloat16" to measure
     qk_norm: bool = True
     learned_init: bool = True
@@ -199,24 +204,39 @@ def token_scan_update(weights, momentum, saved, out, v_c, theta_c, log_eta_c, lo
     return tuple(new_weights), tuple(new_momentum)
 
 
-def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c, gates: str, ns_steps: int,
-               backend: str):
-    """One chunk: its tokens read the state left by the previous chunk, then the chunk is
-    written. q_c, k_c, v_c (B, H, C, d); theta_c, log_eta_c, log_keep_c (B, H, C).
-    Queries and keys go through M together (one matmul per layer). Returns
+class UpdateRule(NamedTuple):
+    """How each chunk is written and read (the config's fields of the same names)."""
+
+    gates: str = "token"
+    ns_steps: int = 0
+    backend: str = "auto"
+    read_after_write: bool = False
+
+
+def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c, rule: UpdateRule):
+    """One chunk: its tokens read the state left by the previous chunk (or, with
+    `rule.read_after_write`, the state after this chunk's write), and the chunk is written.
+    q_c, k_c, v_c (B, H, C, d); theta_c, log_eta_c, log_keep_c (B, H, C). Reading before
+    the write, queries and keys go through M together (one matmul per layer). Returns
     (y_c, new weights, new momentum)."""
     size = q_c.shape[2]
-    both, saved_both = mlp_forward(weights, torch.cat([q_c, k_c], 2))
-    saved = [(inp[:, :, size:], pre[:, :, size:]) for inp, pre in saved_both]
-    y_c, out_k = both[:, :, :size], both[:, :, size:]
-    if gates == "token":
+    if rule.read_after_write:
+        out_k, saved = mlp_forward(weights, k_c)
+    else:
+        both, saved_both = mlp_forward(weights, torch.cat([q_c, k_c], 2))
+        saved = [(inp[:, :, size:], pre[:, :, size:]) for inp, pre in saved_both]
+        y_c, out_k = both[:, :, :size], both[:, :, size:]
+    if rule.gates == "token":
         weights, momentum = token_scan_update(weights, momentum, saved, out_k, v_c, theta_c, log_eta_c, log_keep_c)
-        return y_c, weights, momentum
-    grads = associative_grads(weights, saved, out_k, v_c, theta_c[..., None])
-    eta, alpha = log_eta_c.exp().mean(-1), 1 - log_keep_c.exp().mean(-1)
-    updated = [kernel_memory_update(w, s, g[:, :, 0], eta, alpha, ns_steps, backend)
-               for w, s, g in zip(weights, momentum, grads)]
-    return y_c, tuple(w for w, _ in updated), tuple(s for _, s in updated)
+    else:
+        grads = associative_grads(weights, saved, out_k, v_c, theta_c[..., None])
+        eta, alpha = log_eta_c.exp().mean(-1), 1 - log_keep_c.exp().mean(-1)
+        updated = [kernel_memory_update(w, s, g[:, :, 0], eta, alpha, rule.ns_steps, rule.backend)
+                   for w, s, g in zip(weights, momentum, grads)]
+        weights, momentum = tuple(w for w, _ in updated), tuple(s for _, s in updated)
+    if rule.read_after_write:
+        y_c = mlp_forward(weights, q_c)[0]
+    return y_c, weights, momentum
 
 
 @functools.cache
@@ -225,18 +245,18 @@ def compiled_chunk_step():
     return torch.compile(chunk_step, dynamic=False, fullgraph=True)
 
 
-def run_chunks(step, weights, momentum, chunks, gates: str, ns_steps: int, backend: str):
+def run_chunks(step, weights, momentum, chunks, rule: UpdateRule):
     """Apply `step` to each chunk's (q, k, v, theta, log_eta, log_keep) in order.
     Returns (the chunks' reads, final weights, final momentum)."""
     outputs = []
     for chunk_inputs in chunks:
-        y_c, weights, momentum = step(weights, momentum, *chunk_inputs, gates, ns_steps, backend)
+        y_c, weights, momentum = step(weights, momentum, *chunk_inputs, rule)
         outputs.append(y_c)
     return outputs, weights, momentum
 
 
-def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk: int, gates: str = "token",
-                   ns_steps: int = 0, backend: str = "auto", compiled: bool = False, checkpoint_chunks: int = 0):
+def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk: int,
+                   rule: UpdateRule = UpdateRule(), compiled: bool = False, checkpoint_chunks: int = 0):
     """Read and write a stream. q (B, H, T, d) are the new tokens' queries; k, v, theta,
     log_eta, log_keep cover pending + new tokens (p + T). Returns y (B, H, T, d), new state
     (its `conv` unchanged)."""
@@ -244,6 +264,9 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     q = F.pad(q, (0, 0, pending, 0))  # placeholder queries for the pending tokens
     total = q.shape[2]
     full = total - total % chunk
+    if rule.read_after_write and full < total:
+        raise ValueError(f"a read-after-write memory takes whole chunks: {total} tokens is not a multiple of "
+                         f"chunk_size {chunk}")
     # Split once into per-chunk views (unbind): slicing chunk by chunk would make autograd
     # scatter every chunk's gradient into a full-length zero tensor (quadratic in T).
     per_chunk = [t[:, :, :full].unflatten(2, (-1, chunk)).unbind(2) for t in (q, k, v, theta, log_eta, log_keep)]
@@ -253,7 +276,7 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else len(chunks)
     outputs = []
     for start in range(0, len(chunks), max(group, 1)):
-        args = (step, weights, momentum, chunks[start : start + group], gates, ns_steps, backend)
+        args = (step, weights, momentum, chunks[start : start + group], rule)
         ys, weights, momentum = checkpoint(run_chunks, *args, use_reentrant=False) if group < len(chunks) \
             else run_chunks(*args)
         outputs += ys
@@ -386,8 +409,9 @@ class NeuralMemory(nn.Module):
         dtype = state.weights[0].dtype
         new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
-        y, state = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, cfg.gates, cfg.newton_schulz_steps,
-                                  cfg.kernel_backend, cfg.compiled_chunk_step, cfg.checkpoint_chunks)
+        rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write)
+        y, state = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule, cfg.compiled_chunk_step,
+                                  cfg.checkpoint_chunks)
         # Diagnostics of the last forward (Frobenius norms over all weights / momenta).
         self.last_weight_norm = torch.stack([w.detach().float().norm() for w in state.weights]).norm()
         self.last_momentum_norm = torch.stack([s.detach().float().norm() for s in state.momentum]).norm()

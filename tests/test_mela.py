@@ -101,6 +101,24 @@ def test_every_parameter_gets_a_gradient(variant):
     assert not missing
 
 
+def parameters_without_gradient(model: Mela, length: int) -> list[str]:
+    model(tokens(2, length)).logsumexp(-1).mean().backward()
+    return [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+
+
+def test_memory_writes_train_at_the_papers_two_chunks_per_sequence():
+    """4096 tokens with P * C = 2048 in the paper: exactly 2 decoder chunks (here 16 tokens,
+    P * C = 8). Reading after the write, every parameter learns; reading before it, the
+    memories' write path (k, v projections, gates) gets exactly zero gradient."""
+    model = small_model()
+    assert model.cfg.chunk_tokens * 2 == 16 and model.cfg.min_trainable_seq_len <= 16
+    assert not parameters_without_gradient(model, 16)
+    before = small_model(memory_read="before_write")
+    assert before.cfg.min_trainable_seq_len > 16
+    missing = parameters_without_gradient(before, 16)
+    assert missing and all(".memory.to_qkv" in n or ".memory.to_gates" in n for n in missing), missing
+
+
 def test_memstack_adds_only_at_memory_token_positions(monkeypatch):
     h_cycles = 3
     model = small_model(h_cycles=h_cycles).eval()

@@ -17,6 +17,7 @@ from models.neural_memory import (
     mlp_forward,
     NeuralMemory,
     NeuralMemoryConfig,
+    UpdateRule,
 )
 
 
@@ -92,7 +93,7 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
         for start in range(0, x.shape[1], cfg.chunk_size):
             tokens = range(start, min(start + cfg.chunk_size, x.shape[1]))
             for t in tokens:
-                out[b, t, h] = net(weights, q[b, t, h])
+                out[b, t, h] = net(weights, q[b, t, h])  # read-after-write overwrites this below
             if len(tokens) < cfg.chunk_size:
                 break  # a partial chunk is not written yet
             grads = {}
@@ -105,12 +106,15 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                 for t in tokens:
                     momentum = [eta[b, t, h] * s - theta[b, t, h] * u for s, u in zip(momentum, grads[t])]
                     weights = [(1 - alpha[b, t, h]) * w + s for w, s in zip(weights, momentum)]
-                continue
-            summed = [sum(theta[b, t, h] * grads[t][i] for t in tokens) for i in range(len(weights))]
-            eta_c, alpha_c = eta[b, list(tokens), h].mean(), alpha[b, list(tokens), h].mean()
-            momentum = [eta_c * s - g for s, g in zip(momentum, summed)]
-            step = [newton_schulz(s, cfg.newton_schulz_steps) if cfg.newton_schulz_steps else s for s in momentum]
-            weights = [(1 - alpha_c) * w + s for w, s in zip(weights, step)]
+            else:
+                summed = [sum(theta[b, t, h] * grads[t][i] for t in tokens) for i in range(len(weights))]
+                eta_c, alpha_c = eta[b, list(tokens), h].mean(), alpha[b, list(tokens), h].mean()
+                momentum = [eta_c * s - g for s, g in zip(momentum, summed)]
+                step = [newton_schulz(s, cfg.newton_schulz_steps) if cfg.newton_schulz_steps else s for s in momentum]
+                weights = [(1 - alpha_c) * w + s for w, s in zip(weights, step)]
+            if cfg.read_after_write:
+                for t in tokens:
+                    out[b, t, h] = net(weights, q[b, t, h])
     if cfg.output_norm:
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6) * memory.out_norm.weight
     if cfg.output_gate:
@@ -128,13 +132,15 @@ CHUNK_CASES = [
 ]
 LAYER_CASES = [dict(conv_kernel=0), dict(conv_kernel=2, value_silu=False), dict(output_norm=False, output_gate=False),
                dict(qk_norm=False)]
+READ_AFTER_WRITE_CASES = [dict(read_after_write=True, chunk_size=c, **rule)
+                          for c in (1, 3) for rule in ({}, dict(gates="chunk", newton_schulz_steps=5))]
 
 
-@pytest.mark.parametrize("case", TOKEN_CASES + CHUNK_CASES + LAYER_CASES,
+@pytest.mark.parametrize("case", TOKEN_CASES + CHUNK_CASES + LAYER_CASES + READ_AFTER_WRITE_CASES,
                          ids=lambda c: "-".join(f"{k[:3]}{v if isinstance(v, str) else int(v)}" for k, v in c.items()))
 def test_chunked_path_equals_token_by_token_reference(case):
     memory = make_memory(**case)
-    x = torch.randn(2, 17, 12)
+    x = torch.randn(2, 18 if memory.cfg.read_after_write else 17, 12)  # read-after-write takes whole chunks
     with torch.no_grad():
         torch.testing.assert_close(memory(x)[0], reference(memory, x), rtol=0, atol=1e-10)
 
@@ -146,6 +152,15 @@ def test_token_and_chunk_gates_agree_at_chunk_one_and_differ_beyond():
         torch.testing.assert_close(token, chunk, rtol=0, atol=1e-12)
         token, chunk = (make_memory(chunk_size=8, gates=g)(x)[0] for g in ("token", "chunk"))
     assert (token[:, 8:] - chunk[:, 8:]).abs().max() > 1e-3
+
+
+def test_read_after_write_reads_its_own_chunk_and_refuses_partial_chunks():
+    x = torch.randn(1, 6, 12)
+    with torch.no_grad():
+        before, after = (make_memory(read_after_write=r)(x)[0] for r in (False, True))
+        assert (before[:, :3] - after[:, :3]).abs().max() > 1e-4  # chunk 0 already reads its own write
+        with pytest.raises(ValueError, match="not a multiple of chunk_size 3"):
+            make_memory(read_after_write=True)(x[:, :5])
 
 
 def test_newton_schulz_with_token_gates_is_refused():
@@ -248,8 +263,8 @@ def test_gradcheck_of_the_chunked_update(gates_rule, ns_steps):
     def run(w0, w1, q, k, v, theta, eta, alpha):
         state = MemoryState((w0, w1), (torch.zeros_like(w0), torch.zeros_like(w1)),
                             (k[:, :, :0], v[:, :, :0], theta[..., :0], eta[..., :0], alpha[..., :0]), q[0, 0, :0])
-        y, s = chunked_memory(state, q, k, v, theta, eta.log(), (1 - alpha).log(), chunk=2, gates=gates_rule,
-                              ns_steps=ns_steps)
+        y, s = chunked_memory(state, q, k, v, theta, eta.log(), (1 - alpha).log(), chunk=2,
+                              rule=UpdateRule(gates_rule, ns_steps))
         return y, *s.weights, *s.momentum
 
     assert torch.autograd.gradcheck(run, (*inputs, q, k, v, *gates))

@@ -50,6 +50,13 @@ def test_mlp_lm_seq_len_beyond_its_context(tokenizer_dir, tmp_path):
                "--dump_folder", str(tmp_path)])
 
 
+def test_mela_sequence_too_short_for_memory_writes_to_reach_the_loss(tokenizer_dir, tmp_path):
+    mela = ["--module", "train_configs.mela", "--config", "mela_debug", "--dump_folder", str(tmp_path)]
+    with pytest.raises(UserError, match="pass --training.seq_len 65 or more"):  # P * C = 64: one chunk
+        check(mela + ["--training.seq_len", "64"])
+    check(mela + ["--training.seq_len", "65"])
+
+
 def test_tokenizer_larger_than_model_vocabulary(tokenizer_dir, tmp_path):
     subprocess.run([f"{REPO}/.venv/bin/python", f"{REPO}/scripts/build_tokenizer.py", "--out", str(tmp_path / "tok"),
                     "--vocab-size", "5000"], check=True, capture_output=True)

@@ -27,6 +27,12 @@ def check_seq_len(config) -> None:
             f"training.seq_len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}: "
             f"pass --training.seq_len {model.max_seq_len} or less"
         )
+    shortest = getattr(getattr(model, "model", None), "min_trainable_seq_len", 1)
+    if seq_len < shortest:
+        raise UserError(
+            f"training.seq_len {seq_len} is too short for the memory's writes to reach the loss "
+            f"(they are read by later chunks only): pass --training.seq_len {shortest} or more"
+        )
 
 
 def check_dump_folder(folder: str) -> None:
