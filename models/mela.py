@@ -263,6 +263,7 @@ class HierarchicalMemory(nn.Module):
         self.h_module = MemoryModule(cfg, cfg.h_layers)
         # One fusion per cycle whose output is used: all H with MemStack, else the last.
         self.fusions = nn.ModuleList(OutputFusion(cfg) for _ in range(cfg.h_cycles if cfg.memstack else 1))
+        self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor, l_states: tuple, h_states: tuple):
         """x (B, T, dim) embeddings of whole chunks (T a multiple of P*C); l_states (H*L)
@@ -273,9 +274,10 @@ class HierarchicalMemory(nn.Module):
         x_p = self.patchify(self.embed_proj(x).transpose(1, 2)).transpose(1, 2)
         # low, high: the paper's l and h states.
         low = high = x_p
-        zs, new_l, new_h = [], [], []
+        zs, new_l, new_h, changes = [], [], [], {}
         for cycle in range(cfg.h_cycles):
             last = cycle == cfg.h_cycles - 1
+            before = low.detach(), high.detach()
             with torch.set_grad_enabled(last and torch.is_grad_enabled()):
                 if last and cycle > 0:
                     low, high = low.detach(), high.detach()
@@ -284,9 +286,18 @@ class HierarchicalMemory(nn.Module):
                     new_l.append(states)
                 high, states = self.h_module(high, low, None, h_states[cycle])
                 new_h.append(states)
+            changes |= {f"cycle{cycle}/{name}_change": relative_norm(after.detach() - prior, prior)
+                        for name, after, prior in (("l", low, before[0]), ("h", high, before[1]))}
             if cfg.memstack or last:
                 zs.append(self.fusions[len(zs)](low, high))
+        self.last_stats = changes
         return zs, tuple(new_l), tuple(new_h)
+
+
+def relative_norm(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """||part|| / ||whole|| as a detached float32 scalar (diagnostics)."""
+    with torch.no_grad():
+        return part.float().norm() / whole.float().norm().clamp_min(1e-12)
 
 
 class MelaState(NamedTuple):
@@ -314,12 +325,14 @@ class Mela(nn.Module):
         self.hmm = HierarchicalMemory(cfg)
         self.memory_init = nn.Parameter(torch.empty(cfg.chunk_size, cfg.dim))
         self.layers = nn.ModuleDict({
-            str(i): DecoderBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden, cfg.rope_theta, cfg.norm_eps)
+            str(i): DecoderBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden, cfg.rope_theta, cfg.norm_eps,
+                                 prefix_keys=cfg.chunk_size)
             for i in range(cfg.n_layers)
         })
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.enable_weight_tying = cfg.tie_embeddings
+        self.last_stats: dict[str, torch.Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -395,10 +408,13 @@ class Mela(nn.Module):
         text = F.pad(x, (0, 0, 0, n_chunks * span - length)).unflatten(1, (n_chunks, span)).flatten(0, 1)
         h = torch.cat([memory[-1], text], 1)
         positions = torch.arange(c + span, device=tokens.device)
+        memstack = {}
         for i, block in enumerate(self.layers.values()):
             h = block(h, positions)
             if i < len(memory) - 1:
+                memstack[f"decoder{i}/memstack_ratio"] = relative_norm(memory[i], h[:, :c])
                 h = h + self.memstack_addition(memory[i])
+        self.last_stats = memstack
         h = h[:, c:].unflatten(0, (batch, n_chunks)).flatten(1, 2)[:, :length]
         h = self.norm(h)
         return (h if self._skip_lm_head else self.lm_head(h)), new_state
@@ -414,3 +430,27 @@ def parameter_groups(model: Mela) -> dict[str, int]:
         "language": count(model.layers) + count(model.norm),
         "embedding": embedding,
     }
+
+
+def mela_diagnostics(model: nn.Module) -> dict[str, float]:
+    """Diagnostics of the last forward, found through wrappers (FSDP, AC, compile):
+    `memory/hmm/{l,h}<block>/...` each HMM neural memory's statistics (theta / eta / alpha
+    means, fast-weight and momentum norms, update-to-weight ratio; of the last module step
+    that ran it), `memory/hmm/cycle<i>/{l,h}_change` (||state after cycle i - before|| /
+    ||before||), `memory/decoder<i>/memstack_ratio` (||MemStack addition|| / ||residual at the
+    memory tokens||) and `memory/decoder<i>/memory_attention_mass` (attention probability the
+    last 64 queries of each chunk put on its memory tokens)."""
+    metrics = {}
+    for name, module in model.named_modules():
+        if isinstance(module, HierarchicalMemory):
+            for kind, part in (("l", module.l_module), ("h", module.h_module)):
+                for i, block in enumerate(part.blocks):
+                    if hasattr(block, "memory"):
+                        metrics |= {f"memory/hmm/{kind}{i}/{k}": v for k, v in block.memory.last_stats.items()}
+            metrics |= {f"memory/hmm/{k}": v for k, v in module.last_stats.items()}
+        elif isinstance(module, Mela):
+            metrics |= {f"memory/{k}": v for k, v in module.last_stats.items()}
+        elif isinstance(module, DecoderBlock) and module.attention.last_prefix_mass is not None:
+            layer = name.split("layers.")[-1].split(".")[0]
+            metrics[f"memory/decoder{layer}/memory_attention_mass"] = module.attention.last_prefix_mass
+    return {k: float(v) for k, v in metrics.items()}

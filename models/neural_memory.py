@@ -293,7 +293,7 @@ class NeuralMemory(nn.Module):
     def __init__(self, cfg: NeuralMemoryConfig):
         super().__init__()
         self.cfg = cfg
-        self.last_weight_norm = self.last_momentum_norm = None
+        self.last_stats: dict[str, torch.Tensor] = {}
         inner = cfg.n_heads * cfg.head_dim
         self.to_qkv = nn.Linear(cfg.dim, 3 * inner, bias=False)
         if cfg.conv_kernel:
@@ -406,13 +406,27 @@ class NeuralMemory(nn.Module):
         q, k, v = self._query_heads(q), self._query_heads(k), self._heads(v)
         if cfg.value_silu:
             v = F.silu(v)
-        dtype = state.weights[0].dtype
+        dtype, start_weights = state.weights[0].dtype, state.weights
         new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
         rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write)
         y, state = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule, cfg.compiled_chunk_step,
                                   cfg.checkpoint_chunks)
-        # Diagnostics of the last forward (Frobenius norms over all weights / momenta).
-        self.last_weight_norm = torch.stack([w.detach().float().norm() for w in state.weights]).norm()
-        self.last_momentum_norm = torch.stack([s.detach().float().norm() for s in state.momentum]).norm()
+        self._note_stats(start_weights, state, new[2:])
         return self._output(y, x), state._replace(conv=conv)
+
+    def _note_stats(self, start_weights, state: MemoryState, gates) -> None:
+        """Diagnostics of the last forward (detached scalars): Frobenius norms over all fast
+        weights / momenta, the update-to-weight ratio ||M_end - M_start|| / ||M_start||, and
+        the means of theta, eta and alpha over the new tokens."""
+        with torch.no_grad():
+            def norm(tensors):
+                return torch.stack([t.float().norm() for t in tensors]).norm()
+
+            start = norm(start_weights)
+            theta, log_eta, log_keep = gates
+            self.last_stats = {
+                "weight_norm": norm(state.weights), "momentum_norm": norm(state.momentum),
+                "update_ratio": norm([a - b for a, b in zip(state.weights, start_weights)]) / start.clamp_min(1e-12),
+                "theta_mean": theta.mean(), "eta_mean": log_eta.exp().mean(), "alpha_mean": 1 - log_keep.exp().mean(),
+            }

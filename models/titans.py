@@ -349,8 +349,9 @@ class TitansLM(nn.Module):
 
 def memory_diagnostics(model: nn.Module) -> dict[str, float]:
     """The thesis' diagnostics from the last forward, per layer: gate mean/std/min/max
-    (MAC, MAG), the memory's share of the block update (||memory part|| / ||update||),
-    fast-weight and momentum norms. Works through wrappers (FSDP, AC, compile)."""
+    (MAC, MAG), the memory's share of the block update (||memory part|| / ||update||), and
+    the memory's own statistics (`NeuralMemory.last_stats`: fast-weight and momentum norms,
+    update-to-weight ratio, theta / eta / alpha means). Works through wrappers (FSDP, AC, compile)."""
     metrics = {}
     for name, block in model.named_modules():
         if not isinstance(block, TitansBlock) or block.last_memory_share is None:
@@ -361,6 +362,5 @@ def memory_diagnostics(model: nn.Module) -> dict[str, float]:
             metrics |= {f"{layer}/gate_mean": g.mean(), f"{layer}/gate_std": g.std(),
                         f"{layer}/gate_min": g.min(), f"{layer}/gate_max": g.max()}
         metrics[f"{layer}/memory_share"] = block.last_memory_share
-        metrics[f"{layer}/weight_norm"] = block.memory.last_weight_norm
-        metrics[f"{layer}/momentum_norm"] = block.memory.last_momentum_norm
+        metrics |= {f"{layer}/{k}": v for k, v in block.memory.last_stats.items()}
     return {k: float(v) for k, v in metrics.items()}

@@ -26,8 +26,13 @@ class Attention(nn.Module):
     multiplied elementwise by sigmoid(x W_g) before the output projection (gated
     attention, Qiu et al. 2025, as in Mela's memory blocks)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, rope_theta: float, gated: bool = False):
+    DIAGNOSTIC_QUERIES = 64  # queries (the last of the sequence) whose attention mass on the prefix is recorded
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, rope_theta: float, gated: bool = False,
+                 prefix_keys: int = 0):
         super().__init__()
+        self.prefix_keys = prefix_keys
+        self.last_prefix_mass: torch.Tensor | None = None
         if dim % n_heads or n_heads % n_kv_heads:
             raise ValueError(f"dim {dim} must divide by n_heads {n_heads}, and n_heads by n_kv_heads {n_kv_heads}")
         self.head_dim, self.rope_theta = dim // n_heads, rope_theta
@@ -42,19 +47,35 @@ class Attention(nn.Module):
         cos, sin = rope_angles(positions.expand(x.shape[0], -1), self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.prefix_keys:
+            self._note_prefix_mass(q, k)
         out = out.transpose(1, 2).flatten(-2)
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))
         return self.wo(out)
 
 
+    def _note_prefix_mass(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Diagnostics: mean attention probability the last DIAGNOSTIC_QUERIES queries put on
+        the first `prefix_keys` keys (Mela: its memory tokens). q (B, H, L, d), k (B, Hkv, L, d)."""
+        with torch.no_grad():
+            length = q.shape[2]
+            first = max(length - self.DIAGNOSTIC_QUERIES, 0)
+            keys = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+            scores = (q[:, :, first:] @ keys.transpose(-1, -2)).float() / math.sqrt(self.head_dim)
+            rows = torch.arange(first, length, device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(length, device=q.device)[None, :] > rows, float("-inf"))
+            self.last_prefix_mass = scores.softmax(-1)[..., : self.prefix_keys].sum(-1).mean()
+
+
 class DecoderBlock(nn.Module):
     """x + Attn(norm x), then + SwiGLU(norm x)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, rope_theta: float, norm_eps: float):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, rope_theta: float, norm_eps: float,
+                 prefix_keys: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads, rope_theta)
+        self.attention = Attention(dim, n_heads, n_kv_heads, rope_theta, prefix_keys=prefix_keys)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = SwiGLU(dim, ffn_hidden)
 

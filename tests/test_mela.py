@@ -119,6 +119,23 @@ def test_memory_writes_train_at_the_papers_two_chunks_per_sequence():
     assert missing and all(".memory.to_qkv" in n or ".memory.to_gates" in n for n in missing), missing
 
 
+def test_diagnostics_cover_every_memory_block_cycle_and_decoder_layer():
+    from models.mela import mela_diagnostics
+
+    model = small_model(h_cycles=3)
+    model(tokens(2, 24))
+    metrics = mela_diagnostics(model)
+    for kind, blocks in (("l", model.cfg.l_layers), ("h", model.cfg.h_layers)):
+        for i in range(blocks):
+            stats = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"memory/hmm/{kind}{i}/")}
+            assert stats["weight_norm"] > 0 and stats["update_ratio"] > 0 and 0 < stats["theta_mean"] < 0.01
+            assert 0 < stats["eta_mean"] < 1 and 0 < stats["alpha_mean"] < 1
+    assert all(metrics[f"memory/hmm/cycle{c}/{s}_change"] > 0 for c in range(3) for s in "lh")
+    assert all(metrics[f"memory/decoder{i}/memstack_ratio"] > 0 for i in range(2))  # after layers 0, 1 (H = 3)
+    masses = [metrics[f"memory/decoder{i}/memory_attention_mass"] for i in range(model.cfg.n_layers)]
+    assert all(0 < m < 1 for m in masses)
+
+
 def test_memstack_adds_only_at_memory_token_positions(monkeypatch):
     h_cycles = 3
     model = small_model(h_cycles=h_cycles).eval()

@@ -35,11 +35,24 @@ def test_one_and_two_processes_give_the_same_losses(family, tokenizer_dir, tmp_p
     seeded_folder(family, one)
     shutil.copytree(one, two)
     batch = ["--training.global_batch_size", "4"]
-    single = train(CONFIGS[family] + SHORT + batch + ["--dump_folder", str(one)])
+    wandb = ["--metrics.enable-wandb"] if family in MEMORY_DIAGNOSTICS else []
+    single = train(CONFIGS[family] + SHORT + batch + wandb + ["--dump_folder", str(one)])
     double = train(CONFIGS[family] + SHORT + batch + ["--dump_folder", str(two), "--training.local_batch_size", "2"], nproc=2)
     assert single.returncode == 0 and double.returncode == 0, (single, double)
     assert relative_gap(single.losses, double.losses) < 1e-3
     assert single.losses[10] < single.losses[1] - 1.0  # and it learns
+    if family in MEMORY_DIAGNOSTICS:  # the memory diagnostics reach the console and wandb
+        summaries = [line for line in single.output.splitlines() if " - memory: " in line]
+        assert len(summaries) == 10 and all(f"{name}: " in summaries[-1] for name in MEMORY_DIAGNOSTICS[family])
+        logged = b"".join(p.read_bytes() for p in one.rglob("*.wandb"))
+        assert all(f"{name}".encode() in logged for name in MEMORY_DIAGNOSTICS[family])
+
+
+# Statistics each memory family's diagnostics must log (console summary names; wandb keys end with them).
+MEMORY_DIAGNOSTICS = {
+    "mela": ["theta_mean", "update_ratio", "l_change", "memstack_ratio", "memory_attention_mass"],
+    "titans_mac": ["gate_mean", "memory_share", "theta_mean", "update_ratio"],
+}
 
 
 def test_resume_reproduces_the_straight_run_bit_for_bit(tokenizer_dir, tmp_path):

@@ -7,14 +7,15 @@ from dataclasses import dataclass
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from models.mela import mela_diagnostics
 from models.titans import memory_diagnostics
 
 
 class MemoryTrainer(Trainer):
-    """After each logged step, logs `memory/layer<i>/...` diagnostics of models that have
-    them (Titans; see `models.titans.memory_diagnostics`) to wandb/TensorBoard, and a
-    one-line summary (averages over layers) to the console. Values come from rank 0's
-    last micro-batch."""
+    """After each logged step, logs the `memory/...` diagnostics of models that have them
+    (Titans: `models.titans.memory_diagnostics`; Mela: `models.mela.mela_diagnostics`) to
+    wandb/TensorBoard, and a one-line summary (each statistic averaged over layers) to the
+    console. Values come from rank 0's last micro-batch."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -24,7 +25,7 @@ class MemoryTrainer(Trainer):
         super().train_step(data_iterator)
         if not self.metrics_processor.should_log(self.step):
             return
-        metrics = memory_diagnostics(self.model_parts[0])
+        metrics = memory_diagnostics(self.model_parts[0]) | mela_diagnostics(self.model_parts[0])
         if not metrics:
             return
         self.metrics_processor.logger.log(metrics, self.step)
