@@ -208,6 +208,13 @@ def test_paper_sizes_match_table_1_shares(flavor):
     assert abs(shares["memory"] / memory - 1) < 0.02 and abs(shares["language"] / language - 1) < 0.02
 
 
+@pytest.mark.parametrize("flavor", ["400m", "800m", "1b2"])
+def test_transformer_peer_has_the_mela_flavors_parameter_count(flavor):
+    from param_counts import param_count
+
+    assert abs(param_count("transformer", f"mela_{flavor}_peer") / param_count("mela", flavor) - 1) < 0.02
+
+
 def test_config_rejects_bad_ablation_settings():
     with pytest.raises(ValueError, match="fusion 'sum' unknown"):
         MelaConfig(fusion="sum")

@@ -11,6 +11,9 @@ Shapes chosen (parameter counts from `scripts/param_counts.py`, checked by tests
 | 400m | 1024 | 24 | 16 / 8 | 3520 | 400.6M |
 | 800m | 1536 | 27 | 16 / 8 | 4096 | 799.0M |
 | 1b2 | 2048 | 22 | 16 / 8 | 5888 | 1203.8M |
+| mela_400m_peer | 1024 | 21 | 16 / 8 | 3520 | 358.7M (Mela 400m: 356.5M) |
+| mela_800m_peer | 1536 | 22 | 16 / 8 | 4224 | 682.3M (Mela 800m: 681.8M) |
+| mela_1b2_peer | 2048 | 18 | 16 / 8 | 6144 | 1037.1M (Mela 1b2: 1029.0M) |
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ FLAVORS = {
     "400m": Shape(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
     "800m": Shape(dim=1536, n_layers=27, n_heads=16, n_kv_heads=8, ffn_hidden=4096),
     "1b2": Shape(dim=2048, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=5888),
+    # Parameter-matched peers of the Mela flavors (their totals within 2%).
+    "mela_400m_peer": Shape(dim=1024, n_layers=21, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
+    "mela_800m_peer": Shape(dim=1536, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=4224),
+    "mela_1b2_peer": Shape(dim=2048, n_layers=18, n_heads=16, n_kv_heads=8, ffn_hidden=6144),
 }
 
 

@@ -26,3 +26,18 @@ def transformer_800m() -> Trainer.Config:
 
 def transformer_1b2() -> Trainer.Config:
     return paper_recipe(model_spec("1b2"), name="transformer_1b2", lr=8e-4)
+
+
+def transformer_mela_400m_peer() -> Trainer.Config:
+    """Transformer++ with Mela 400m's parameter count (358.7M vs 356.5M), same recipe."""
+    return paper_recipe(model_spec("mela_400m_peer"), name="transformer_mela_400m_peer", lr=1e-3)
+
+
+def transformer_mela_800m_peer() -> Trainer.Config:
+    """Transformer++ with Mela 800m's parameter count (682.3M vs 681.8M), same recipe."""
+    return paper_recipe(model_spec("mela_800m_peer"), name="transformer_mela_800m_peer", lr=1e-3)
+
+
+def transformer_mela_1b2_peer() -> Trainer.Config:
+    """Transformer++ with Mela 1b2's parameter count (1037.1M vs 1029.0M), same recipe."""
+    return paper_recipe(model_spec("mela_1b2_peer"), name="transformer_mela_1b2_peer", lr=8e-4)
