@@ -59,7 +59,7 @@ def test_memory_module_gives_the_same_outputs_and_gradients_on_both_paths():
     for backend in ("torch", "triton"):
         torch.manual_seed(0)
         memory = NeuralMemory(NeuralMemoryConfig(dim=32, n_heads=2, head_dim=16, depth=2, expansion=2, chunk_size=4,
-                                                 newton_schulz_steps=5, kernel_backend=backend)).to(DEVICE)
+                                                 gates="chunk", newton_schulz_steps=5, kernel_backend=backend)).to(DEVICE)
         x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
         y, _ = memory(x)
         y.square().sum().backward()
