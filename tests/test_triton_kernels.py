@@ -68,6 +68,23 @@ def test_memory_module_gives_the_same_outputs_and_gradients_on_both_paths():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
 
 
+def test_bf16_memory_keeps_float32_state_through_the_triton_kernel():
+    """The fused update kernel loads and stores the fast weights in float32 under a bf16 model."""
+    from models.neural_memory import NeuralMemory, NeuralMemoryConfig
+
+    states = []
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        memory = NeuralMemory(NeuralMemoryConfig(dim=32, n_heads=2, head_dim=16, depth=2, expansion=2, chunk_size=4,
+                                                 gates="chunk", newton_schulz_steps=5, kernel_backend=backend))
+        with torch.no_grad():
+            _, state = memory.to(DEVICE, torch.bfloat16)(torch.randn(2, 12, 32).to(DEVICE, torch.bfloat16))
+        assert {t.dtype for t in state.weights + state.momentum} == {torch.float32}
+        states.append(state.weights + state.momentum)
+    for a, b in zip(*states):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
 def test_dispatch_rejects_unknown_backend():
     from kernels import newton_schulz as dispatch
 
