@@ -1,0 +1,283 @@
+"""The first command to run on a GPU machine: does every path that only runs on a GPU work?
+
+    bash scripts/gpu_check.sh [--only NAME[,NAME]] [--steps 20] [--list] [--device cuda]
+
+Checks (each prints one PASS/FAIL line with its measured figure; exit 1 if any fails):
+  families    every model family (Titans MAC/MAG/MAL/LMM, Mela, MLP-FFN LM, Transformer++)
+              forward + backward in fp32 and bf16, eager and torch.compile'd: finite loss
+              and gradients; compiled vs eager fp32 logits within 1e-3 relative (max |diff| /
+              max |logit|).
+  attention   flex-attention block masks (CUDA path of models/attention.py) vs dense SDPA with
+              the same mask (Titans' sliding-window and MAC masks, document masks): 1e-3 rel.
+  kernels     Triton Newton-Schulz (single tile, blocked) and the fused memory update vs the
+              torch references, fp32 (1e-3 rel) and bf16 (3e-2 rel).
+  drift       the Titans MAC debug model in bf16 (fast weights stay fp32) vs fp32: logits
+              within 5e-2 relative.
+  train       20 steps of each debug config through scripts/train.sh: the loss falls.
+  throughput  tokens/s and MFU of titans_mac_170m and mela_400m at local batch 1, seq 4096,
+              10 steps (reported; fails only if the run fails).
+Without CUDA it prints one line and exits 0 (`--device cpu` runs the in-process checks on
+the CPU instead, as the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchtitan_ext.paths import default_tokenizer_dir
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, LENGTH = 256, 128
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf).*?tps:\s*([0-9,]+).*?mfu:\s*([0-9.]+%|N/A)")
+
+
+@dataclass
+class Result:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| in float32 (0 for two zero tensors)."""
+    got, want = got.detach().float(), want.detach().float()
+    scale = want.abs().max().item()
+    return (got - want).abs().max().item() / scale if scale else (got - want).abs().max().item()
+
+
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) -> Result:
+    """PASS when the shapes agree, both are finite and the relative error is within tolerance."""
+    if got.shape != want.shape:
+        return Result(name, False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return Result(name, False, "non-finite values")
+    error = relative_error(got, want)
+    return Result(name, error <= tolerance, f"relative error {error:.2e} (tolerance {tolerance:.0e})")
+
+
+def parse_log(text: str) -> dict[int, dict[str, float]]:
+    """torchtitan's step lines -> {step: {loss, tps, mfu (percent, nan when N/A)}}."""
+    steps = {}
+    for step, loss, tps, mfu in STEP_LINE.findall(ANSI.sub("", text)):
+        steps[int(step)] = {"loss": float(loss), "tps": float(tps.replace(",", "")),
+                            "mfu": float(mfu[:-1]) if mfu.endswith("%") else math.nan}
+    return steps
+
+
+# ---- model families -------------------------------------------------------------------
+
+def build_family(family: str) -> tuple[torch.nn.Module, callable]:
+    """(small model of the family, logits(model, tokens))."""
+    from models.mela import Mela, MelaConfig, mela_memory
+    from models.mlp_lm import MLPLM, MLPLMConfig
+    from models.neural_memory import NeuralMemoryConfig
+    from models.titans import TitansConfig, TitansLM
+
+    torch.manual_seed(0)
+    if family.startswith("titans_"):
+        model = TitansLM(TitansConfig(variant=family.split("_")[1], vocab_size=VOCAB, dim=64, n_layers=2, n_heads=2,
+                                      window=32, memory=NeuralMemoryConfig(chunk_size=8)))
+        return model, lambda m, t: m(t)
+    if family == "mela":
+        return Mela(MelaConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=2, memory_heads=2, patch_size=4,
+                               chunk_size=8, memory=mela_memory(expansion=2))), lambda m, t: m(t)
+    if family == "mlp_lm":
+        return MLPLM(MLPLMConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)), \
+            lambda m, t: m(t)
+    if family == "transformer":
+        from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
+        from torchtitan_ext import transformer
+
+        model = transformer.model_config("debug").build()
+        model.init_weights(buffer_device=None)
+
+        def logits(m, t):
+            positions = torch.arange(t.shape[1], device=t.device).expand_as(t)
+            return m(t, positions=positions, attention_masks=create_varlen_metadata_for_document(positions))
+
+        return model, logits
+    raise ValueError(f"unknown family '{family}'")
+
+
+FAMILIES = ("titans_mac", "titans_mag", "titans_mal", "titans_lmm", "mela", "mlp_lm", "transformer")
+
+
+def check_family(family: str, device: str, compiled: bool = True) -> list[Result]:
+    """Forward + backward in fp32 and bf16 (finite loss and gradients), and compiled vs eager."""
+    results = []
+    tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(1)).to(device)
+    eager_fp32 = None
+    for dtype in (torch.float32, torch.bfloat16):
+        model, logits_of = build_family(family)
+        model = model.to(device, dtype)
+        logits = logits_of(model, tokens)
+        loss = logits.float().logsumexp(-1).mean()
+        loss.backward()
+        finite = torch.isfinite(loss).item() and all(torch.isfinite(p.grad).all().item()
+                                                      for p in model.parameters() if p.grad is not None)
+        results.append(Result(f"{family} {str(dtype)[6:]} fwd+bwd", finite, f"loss {loss.item():.4f}"))
+        if dtype == torch.float32:
+            eager_fp32 = (model, logits.detach(), logits_of)
+    if compiled:
+        model, eager, logits_of = eager_fp32
+        with torch.no_grad():
+            results.append(compare(f"{family} compiled vs eager", logits_of(torch.compile(model), tokens), eager, 1e-3))
+    return results
+
+
+def check_families(device: str) -> list[Result]:
+    return [r for family in FAMILIES for r in check_family(family, device)]
+
+
+# ---- attention, kernels, drift ---------------------------------------------------------
+
+def dense_reference(q, k, v, mask_mod):
+    idx_q = torch.arange(q.shape[2], device=q.device)[:, None]
+    idx_k = torch.arange(k.shape[2], device=q.device)[None, :]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_mod(idx_q, idx_k))
+
+
+def check_attention(device: str) -> list[Result]:
+    from models.attention import document_causal_attention, document_causal_mask, document_ids, masked_attention
+    from models.titans import mac_mask, prefix_window_mask
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 256, 64, generator=g).to(device) for _ in range(3))
+    results = []
+    for name, mask_mod, keys in (("sliding window + prefix", prefix_window_mask(4, 64), 256),
+                                 ("MAC segment", mac_mask(4, 126), 256)):
+        results.append(compare(f"attention {name}", masked_attention(q, k[:, :, :keys], v[:, :, :keys], mask_mod),
+                               dense_reference(q, k[:, :, :keys], v[:, :, :keys], mask_mod), 1e-3))
+    positions = torch.cat([torch.arange(100), torch.arange(156)]).expand(2, -1).to(device)
+    mask = document_causal_mask(document_ids(positions))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    results.append(compare("attention documents", document_causal_attention(q, k, v, positions), want, 1e-3))
+    return results
+
+
+def check_kernels(device: str) -> list[Result]:
+    from kernels import memory_update, newton_schulz
+
+    g = torch.Generator().manual_seed(3)
+    results = []
+    for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 3e-2)):
+        x = torch.randn(8, 64, 256, generator=g).to(device, dtype)
+        want = newton_schulz(x, 5, backend="torch")
+        for backend in ("triton", "triton_blocked"):
+            results.append(compare(f"newton_schulz {backend} {str(dtype)[6:]}", newton_schulz(x, 5, backend=backend),
+                                   want, tolerance))
+        weight, momentum, grad = (torch.randn(8, 64, 256, generator=g).to(device, dtype) for _ in range(3))
+        eta, alpha = torch.rand(8, generator=g).to(device), torch.rand(8, generator=g).to(device) * 0.1
+        got = memory_update(weight, momentum, grad, eta, alpha, 5, backend="triton")
+        want = memory_update(weight, momentum, grad, eta, alpha, 5, backend="torch")
+        results += [compare(f"memory_update triton {part} {str(dtype)[6:]}", a, b, tolerance)
+                    for part, a, b in zip(("weight", "momentum"), got, want)]
+    return results
+
+
+def check_drift(device: str) -> list[Result]:
+    model, logits_of = build_family("titans_mac")
+    tokens = torch.randint(0, VOCAB, (2, 4 * LENGTH), generator=torch.Generator().manual_seed(4)).to(device)
+    with torch.no_grad():
+        full = logits_of(model.to(device), tokens)
+        half = logits_of(model.to(torch.bfloat16), tokens)
+    return [compare("bf16 vs fp32 (Titans MAC, 64 memory chunks)", half, full, 5e-2)]
+
+
+# ---- runs through scripts/train.sh -----------------------------------------------------
+
+DEBUG_CONFIGS = {"transformer_debug": "train_configs.transformer", "mlp_lm_debug": "train_configs.mlp_lm",
+                 "mela_debug": "train_configs.mela"} | {
+    f"titans_{v}_debug": "train_configs.titans" for v in ("mac", "mag", "mal", "lmm")}
+
+
+def train_run(module: str, config: str, extra: list[str]) -> tuple[int, dict]:
+    args = ["bash", str(REPO / "scripts" / "train.sh"), "--module", module, "--config", config,
+            "--metrics.no-enable-wandb", "--metrics.log_freq", "1", "--validator.no-enable",
+            "--checkpoint.no-enable", "--dump_folder", str(REPO / "outputs" / "gpu_check" / config), *extra]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+    return proc.returncode, parse_log(proc.stdout + proc.stderr)
+
+
+def loss_falls(name: str, returncode: int, steps: dict) -> Result:
+    if returncode or len(steps) < 2:
+        return Result(name, False, f"exit code {returncode}, {len(steps)} steps logged")
+    first, last = steps[min(steps)]["loss"], steps[max(steps)]["loss"]
+    return Result(name, last < first, f"loss {first:.3f} -> {last:.3f}")
+
+
+def check_train(device: str, steps: int = 20) -> list[Result]:
+    return [loss_falls(f"train {config} ({steps} steps)", *train_run(module, config, ["--training.steps", str(steps)]))
+            for config, module in DEBUG_CONFIGS.items()]
+
+
+def check_throughput(device: str) -> list[Result]:
+    results = []
+    for config, module in (("titans_mac_170m", "train_configs.titans"), ("mela_400m", "train_configs.mela")):
+        code, steps = train_run(module, config, ["--training.steps", "10", "--training.local_batch_size", "1",
+                                                 "--training.global_batch_size", "1", "--training.seq_len", "4096",
+                                                 "--dataloader.dataset", "embedded", "--hf_assets_path",
+                                                 str(default_tokenizer_dir())])
+        later = [s for n, s in steps.items() if n > 2] or list(steps.values())
+        if code or not later:
+            results.append(Result(f"throughput {config}", False, f"exit code {code}"))
+            continue
+        tps = sorted(s["tps"] for s in later)[len(later) // 2]
+        mfu = sorted(s["mfu"] for s in later)[len(later) // 2]
+        results.append(Result(f"throughput {config}", True, f"median {tps:,.0f} tokens/s, MFU {mfu:.1f}%"))
+    return results
+
+
+CHECKS = {"families": check_families, "attention": check_attention, "kernels": check_kernels,
+          "drift": check_drift, "train": check_train, "throughput": check_throughput}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated subset of {', '.join(CHECKS)}")
+    parser.add_argument("--steps", type=int, default=20, help="training steps of each debug config (check 'train')")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--list", action="store_true", help="list the checks and exit")
+    args = parser.parse_args(argv)
+    args.only = [name for name in args.only.split(",") if name]
+    unknown = [name for name in args.only if name not in CHECKS]
+    if unknown:
+        parser.exit(2, f"error: unknown check(s) {', '.join(unknown)}: choose from {', '.join(CHECKS)}\n")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for name in CHECKS:
+            print(name)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: skipped: no CUDA device (torch.cuda.is_available() is False)")
+        return 0
+    results = []
+    for name in args.only:
+        check = CHECKS[name]
+        for result in (check(args.device, args.steps) if name == "train" else check(args.device)):
+            print(result.line(), flush=True)
+            results.append(result)
+    failed = [r for r in results if not r.ok]
+    print(f"gpu_check: {len(results) - len(failed)} of {len(results)} checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
