@@ -7,15 +7,15 @@ Newton-Schulz update (Mela: Test-Time Memory Consolidation, eq. 10-11) as an opt
 The memory is a per-head MLP `M` (fast weights) written at test time by gradient descent
 on the associative loss `l(M; k_t, v_t) = ||M(k_t) - v_t||^2`:
 
-    S_t = eta_t S_{t-1} - theta_t u_t,   u_t = grad l(M; k_t, v_t)     (Titans eq. 10 / thesis 2.39)
-    M_t = (1 - alpha_t) M_{t-1} + S_t                                  (Titans eq. 13 / thesis 2.40)
+    S_t = eta_t S_{t-1} - theta_t u_t,   u_t = grad l(M; k_t, v_t)     (thesis eq. 2.39)
+    M_t = (1 - alpha_t) M_{t-1} + S_t                                  (thesis eq. 2.40)
     M_t = (1 - alpha_t) M_{t-1} + NewtonSchulz_k(S_t)                  (Mela eq. 10-11)
     y_t = M*(q_t), read from the state left by the previous chunk        (thesis 2.41)
 
 Chunked training: the sequence is cut into chunks of C tokens and the tokens of chunk c
 read the state left by chunk c-1 (M_{c-1}). Two write rules (`gates`):
 
-- "token" (default, the Titans paper's parallel form, its section 3.2): every token's
+- "token" (default, the Titans paper's parallelised training, its section 3.2): every token's
   gradient u_t is taken at the chunk-start weights M_{c-1}, then the momentum and forget
   gates are applied per token by the scan above. Unrolled over a chunk of tokens 1..C
   (E = cumulative eta products, R = forget products to the chunk end):
@@ -34,8 +34,8 @@ read the state left by chunk c-1 (M_{c-1}). Two write rules (`gates`):
   Mela (section 3.1) writes one gradient per chunk ("the resulting gradient then serves
   as the surprise signal"). `newton_schulz_steps > 0` with `gates="token"` is refused.
 
-Layer around the memory (Titans section 3 / 4.4 "architectural details"; each an option,
-the paper's choice the default): q, k, v linear projections, each followed by a causal
+Layer around the memory (the Titans paper's architectural details; each an option, the
+paper's choice the default): q, k, v linear projections, each followed by a causal
 depthwise 1D convolution (`conv_kernel` 4), then SiLU and L2 normalisation on q and k
 (`qk_norm`) and SiLU on v (`value_silu`); the read goes through a per-head RMSNorm
 (`output_norm`) and a gate (`output_gate`) before the output projection.
