@@ -18,7 +18,7 @@ tokens j for j <= i only (r_j carries token j's query, so a later r_j would leak
 Choices where the paper is silent (documented and tested):
 - Gate(y, m), the paper's non-linear gate (x) (`gate="paper"`, default): both branches
   RMS-normalised with learnable vectors, then norm(y) * sigmoid(norm(m)), as the Titans
-  paper's section 4.2 describes it for MAG; MAC "reuses the gated design of MAG" (thesis,
+  paper describes its MAG gate; MAC "reuses the gated design of MAG" (thesis,
   eq. 2.51), so it takes the same gate. `gate="convex"` keeps the earlier
   g * y + (1 - g) * m with g = sigmoid(W_g y + b_g) per channel, b_g = 0.
 - RoPE on queries and sequence keys (retrieved tokens take their token's position);
