@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torchtitan.models.llama3 import parallelize_llama
-from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
@@ -29,10 +28,9 @@ from torchtitan_ext.errors import UserError
 def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
     """The torchtitan model class for a plain decoder class and its config dataclass.
 
-    The plain config needs `vocab_size`, `max_seq_len`, `n_layers`, `n_heads`, `head_dim`;
-    optional `window` (attention span, for the FLOP count) and `tie_embeddings`.
-    FLOPs per token: torchtitan's dense estimate (6N + attention over min(seq_len, window));
-    work inside a test-time memory's update is not counted.
+    The plain config needs `vocab_size` and `max_seq_len`. FLOPs per token (for MFU):
+    `torchtitan_ext.flops.training_flops_per_token`, which counts what runs (a memory's
+    update work, Mela's recursion at patch rate) rather than torchtitan's dense 6N estimate.
     """
 
     class TorchtitanModel(BaseModel, plain_cls):
@@ -54,10 +52,9 @@ def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
                 check_seq_len(config)
 
             def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
-                m = self.model
-                span = min(seq_len, getattr(m, "window", seq_len))
-                tied = getattr(m, "tie_embeddings", False)
-                return get_dense_model_nparams_and_flops(model, m.n_layers, m.n_heads, 2 * m.head_dim, span, tied)
+                from torchtitan_ext.flops import training_flops_per_token
+
+                return sum(p.numel() for p in model.parameters()), training_flops_per_token(self.model, seq_len)
 
         def __init__(self, config):
             plain_cls.__init__(self, config.model)

@@ -1,0 +1,127 @@
+"""Training FLOPs per token of the plain-torch families, counting what runs (torchtitan's MFU).
+
+torchtitan's dense estimate (6N + attention) fits a Transformer, not a memory model: Mela's
+HMM runs at patch rate through H*L + H module steps (the first H-1 cycles forward only), and
+a neural memory spends per chunk on MLP reads, explicit gradients and Newton-Schulz what its
+parameter count does not show. Here each family's matmul FLOPs (2 m n k per product:
+projections, attention scores and values over the attended span, memory MLP reads and
+gradients, Newton-Schulz, convolutions) are summed per token for one forward, then
+multiplied by 3 where the forward runs with gradients (backward = 2x forward) and by 1 where
+it does not. Elementwise work (norms, gates, activations, the scan's decay products) is not
+counted, as in torchtitan's estimate. Attention spans follow torchtitan's convention (the
+causal mask's savings are not subtracted); a sliding window attends over min(seq_len, window).
+tests/test_flops.py checks each count against torch's FlopCounterMode over a training step.
+"""
+
+from __future__ import annotations
+
+from models.mela import MelaConfig
+from models.mlp_lm import MLPLMConfig
+from models.neural_memory import NeuralMemoryConfig
+from models.titans import TitansConfig
+
+TRAIN, FORWARD_ONLY = 3, 1
+
+
+def linear(d_in: int, d_out: int) -> float:
+    return 2 * d_in * d_out
+
+
+def attention_span(queries_dim: int, keys: float) -> float:
+    """Scores and values of one query over `keys` keys: 2 products of 2 * keys * dim."""
+    return 4 * keys * queries_dim
+
+
+def memory_mlp(cfg: NeuralMemoryConfig) -> float:
+    """One input through the memory MLP of every head."""
+    return cfg.n_heads * sum(linear(i, o) for i, o in cfg.layer_shapes())
+
+
+def newton_schulz(rows: int, cols: int, steps: int) -> float:
+    """Muon's iteration on one matrix: per step X X^T, A A and (bA + cA^2) X (r = min side)."""
+    r, c = sorted((rows, cols))
+    return steps * (2 * r * r * c + 2 * r**3 + 2 * r * r * c)
+
+
+def neural_memory(cfg: NeuralMemoryConfig) -> float:
+    """Forward FLOPs per written token: projections, conv, memory reads of q and k, the
+    explicit gradient (back through all but the first matrix, then K weighted outer-product
+    sums: K = 2 for the per-token rule, 1 per chunk), Newton-Schulz per chunk, output."""
+    inner = cfg.n_heads * cfg.head_dim
+    shapes = cfg.layer_shapes()
+    flops = linear(cfg.dim, 3 * inner) + linear(cfg.dim, 3 * cfg.n_heads) + linear(inner, cfg.dim)
+    flops += 2 * 3 * inner * cfg.conv_kernel
+    flops += linear(cfg.dim, cfg.n_heads) if cfg.output_gate else 0
+    weightings = 2 if cfg.gates == "token" else 1
+    backprop = cfg.n_heads * sum(linear(i, o) for i, o in shapes[1:])
+    flops += 2 * memory_mlp(cfg) + backprop + weightings * memory_mlp(cfg)
+    if cfg.newton_schulz_steps:
+        flops += cfg.n_heads * sum(newton_schulz(i, o, cfg.newton_schulz_steps) for i, o in shapes) / cfg.chunk_size
+    return flops
+
+
+def titans(cfg: TitansConfig, seq_len: int) -> float:
+    """Per token: each block's memory, attention (MAC: keys are the segment's retrieved
+    tokens and inputs plus the persistent tokens; MAG/MAL: the window and the persistent
+    tokens), gate and SwiGLU FFN; the output head."""
+    d, memory = cfg.dim, cfg.memory
+    block = neural_memory(memory) + 3 * linear(d, cfg.ffn_hidden)
+    if cfg.variant == "mac":
+        segment = min(seq_len, cfg.window)
+        retrieve = linear(d, memory.n_heads * memory.head_dim) + 2 * memory.n_heads * memory.head_dim * \
+            memory.conv_kernel + memory_mlp(memory) + linear(memory.n_heads * memory.head_dim, d)
+        retrieve += linear(d, memory.n_heads) if memory.output_gate else 0
+        block += retrieve + 6 * linear(d, d) + attention_span(d, cfg.n_persistent + 2 * segment)
+    elif cfg.variant in ("mag", "mal"):
+        block += 4 * linear(d, d) + attention_span(d, cfg.n_persistent + min(seq_len, cfg.window))
+    if cfg.variant in ("mac", "mag") and cfg.gate == "convex":
+        block += linear(d, d)
+    return TRAIN * (cfg.n_layers * block + linear(d, cfg.vocab_size))
+
+
+def mlp_lm(cfg: MLPLMConfig, seq_len: int) -> float:
+    """Per token: GQA attention projections and span, two-layer FFN, output head."""
+    d, kv = cfg.dim, (cfg.n_kv_heads or cfg.n_heads) * cfg.head_dim
+    block = 2 * linear(d, d) + 2 * linear(d, kv) + attention_span(d, seq_len) + 2 * linear(d, cfg.ffn_dim)
+    return TRAIN * (cfg.n_layers * block + linear(d, cfg.vocab_size))
+
+
+def mela(cfg: MelaConfig, seq_len: int) -> float:
+    """Per text token. Decoder: every chunk of P*C text tokens runs with its C memory tokens
+    (positions (P*C + C) / (P*C) per token), GQA attention over the chunk, SwiGLU, plus the
+    diagnostic attention mass of the last 64 queries (forward only); output head. HMM (per
+    patch, 1/P per token): patchify, then H cycles of L L-module steps and one H-module step,
+    the first H-1 cycles forward only; each module step = input fusion MLP + its blocks
+    (gated attention over the chunk's C patches, neural memory); the output fusions."""
+    d, m, p, c = cfg.dim, cfg.memory_dim, cfg.patch_size, cfg.chunk_size
+    chunk = cfg.chunk_tokens + c
+    kv = cfg.n_kv_heads * cfg.head_dim
+    layer = 2 * linear(d, d) + 2 * linear(d, kv) + attention_span(d, chunk) + 3 * linear(d, cfg.ffn_hidden)
+    decoder = TRAIN * cfg.n_layers * layer * chunk / cfg.chunk_tokens
+    decoder += FORWARD_ONLY * cfg.n_layers * 2 * min(64, chunk) * chunk * d / cfg.chunk_tokens
+    decoder += TRAIN * linear(d, cfg.vocab_size)
+
+    memory_kv = cfg.memory_kv_heads * (m // cfg.memory_heads)
+    block = 0.0
+    if cfg.memory_attention:
+        block += 2 * linear(m, m) + 2 * linear(m, memory_kv) + attention_span(m, c)
+        block += linear(m, m) if cfg.attention_gating else 0
+    if cfg.neural_memory:
+        block += neural_memory(cfg.memory)
+    fusion_in = linear(2 * m, m) + linear(m, m)
+    l_step, h_step = fusion_in + cfg.l_layers * block, fusion_in + cfg.h_layers * block
+    cycle = cfg.l_cycles * l_step + h_step
+    output_fusion = linear(2 * m, m) + linear(m, d) if cfg.fusion == "mlp" else (linear(m, d) if m != d else 0)
+    fusions = cfg.h_cycles if cfg.memstack else 1
+    hmm_per_patch = FORWARD_ONLY * (cfg.h_cycles - 1) * cycle + TRAIN * (cycle + fusions * output_fusion)
+    hmm_per_patch += TRAIN * linear(m * p, m)  # patchify: a stride-P conv over P tokens
+    hmm = hmm_per_patch / p + (TRAIN * linear(d, m) if m != d else 0)
+    return decoder + hmm
+
+
+FAMILIES = {TitansConfig: titans, MLPLMConfig: mlp_lm, MelaConfig: mela}
+
+
+def training_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token of a plain model config (TitansConfig, MLPLMConfig, MelaConfig)."""
+    return FAMILIES[type(config)](config, seq_len)
