@@ -87,7 +87,14 @@ def test_compile_and_activation_checkpointing_modes_agree(family, tokenizer_dir,
         assert runs[name].returncode == 0, runs[name]
     reference, *others = runs
     for name in others:
-        assert relative_gap(runs[reference].losses, runs[name].losses) < 1e-4, name
+        assert relative_gap(runs[reference].losses, runs[name].losses) < MODE_TOLERANCE[family], name
+
+
+# Mela's memory adds Newton-Schulz(S) with no step size (its eq. 10) and its chunks read right
+# after the write, so rounding differences of the compiled decoder (1e-6 at step 2) reach the
+# loss amplified on some batches: measured 1.0e-3 at step 5 of 10, back to 5e-5 by step 10
+# (eager vs eager: 0). A wrong compiled or recomputed path shows gaps of 1e-2 and more.
+MODE_TOLERANCE = {"transformer": 1e-4, "mela": 3e-3}
 
 
 def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_checkpoint(tokenizer_dir, tmp_path):
