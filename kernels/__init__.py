@@ -4,9 +4,9 @@
 - `memory_update(weight, momentum, grad, eta, alpha, ns_steps, backend)`: the memory's
   per-chunk step S' = eta S - G, M' = (1 - alpha) M + NS(S'), fused in one kernel.
 backend "auto" runs a Triton kernel on CUDA tensors (fp32, bf16) and the eager torch
-reference otherwise: the single-tile kernel when the matrices fit one program (up to
+reference otherwise: the per-matrix kernel when the matrices fit one program (up to
 128 x 512, either orientation), else for `newton_schulz` the blocked kernel (any size,
-upper-triangular Gram blocks; `memory_update` falls back to torch). "triton" (single tile),
+upper-triangular Gram blocks; `memory_update` falls back to torch). "triton" (per matrix),
 "triton_blocked" (blocked, `newton_schulz` only), "torch" (eager reference) and "compiled"
 (the reference through torch.compile, compiled once per shape) force one. Tests force the
 Triton backends on CPU under TRITON_INTERPRET=1.

@@ -3,14 +3,17 @@
 Matrices are read oriented so that rows <= cols, tall ones through swapped strides (no
 transpose copies). Two Newton-Schulz paths (`kernels/newton_schulz.py` states the iteration):
 
-- Single tile (`newton_schulz_triton`, and the fused update): one program holds one whole
-  matrix (rows <= 128, cols <= 512, the sizes of the memories' fast weights) in registers
-  and runs the Frobenius normalisation and all `steps` quintic iterations without leaving
-  the chip, each Gram product X X^T in one dot. For small matrices the launch and the
-  round trips to memory cost more than the arithmetic, so keeping everything on chip wins,
-  and the full Gram costs less than splitting it. The fused update (`kernels/memory_update.py`
-  states it) also reads the weight, momentum and gradient and writes the new weight and
-  momentum in the same program.
+- Per matrix (`newton_schulz_triton`, and the fused update): one program per matrix (rows
+  <= 128, cols <= 512, the sizes of the memories' fast weights) runs the Frobenius
+  normalisation and all `steps` quintic iterations in one launch, on an fp32 copy of its
+  matrix in a workspace (L2-resident at these sizes). Per step the Gram product X X^T
+  accumulates over column blocks, then each column block becomes a X_k + P X_k. Only
+  (rows, rows) tiles and one column block are live at once: holding the whole 64 x 256
+  fp32 matrix as one tile needed 262,168 bytes of shared memory on an H100 (limit
+  232,448). For small matrices the launches and round trips of a per-step path cost more
+  than the arithmetic, so one launch for the whole iteration wins. The fused update
+  (`kernels/memory_update.py` states it) also reads the weight, momentum and gradient and
+  writes the new weight and momentum in the same program.
 - Blocked (`newton_schulz_blocked`, any size): per step two Gram products by
   `_symmetric_gram_kernel`, A = X X^T and B = b A + c A A^T (A is symmetric, so A^2 = A A^T
   is a Gram product too), and X = a X + B X by torch. A Gram product is symmetric, so the
@@ -18,8 +21,8 @@ transpose copies). Two Newton-Schulz paths (`kernels/newton_schulz.py` states th
   n (n + 1) / 2 of the n^2), looping over the columns, and writes each block to (i, j) and
   mirrored to (j, i): about half the multiply-adds, and an exactly symmetric result.
 
-Inputs fp32 or bf16, accumulation in fp32 (fp32 dots in IEEE precision in the blocked
-path; the single tile uses TF32 for bf16 inputs).
+Inputs fp32 or bf16, accumulation in fp32 (fp32 inputs' dots in 3xTF32, about fp32
+accuracy on tensor cores; the per-matrix kernels use TF32 for bf16 inputs).
 
 Backward: recompute. It re-runs the torch reference under autograd and differentiates
 it, storing nothing but the inputs (saving the `steps` iterates instead would keep
@@ -39,56 +42,98 @@ import triton.language as tl
 from kernels.memory_update import memory_update_reference
 from kernels.newton_schulz import MUON_COEFFICIENTS, coefficient_schedule, newton_schulz
 
-MAX_ROWS, MAX_COLS = 128, 512  # single-tile path
+MAX_ROWS, MAX_COLS = 128, 512  # per-matrix path
+# fp32 dots: three TF32 tensor-core products (about fp32 accuracy). "ieee" lowers a tile dot
+# to unrolled scalar FMAs: measured on an H100 (Triton 3.6), compiling the one-tile Newton-Schulz kernel
+# for a 64 x 256 matrix had not finished after 80 s.
+FP32_DOT_PRECISION = "tf32x3"
+FP32_DOT = tl.constexpr(FP32_DOT_PRECISION)  # the same, for use inside kernels
 
 
 @triton.jit
-def _orthogonalise(x, coef_ptr, STEPS: tl.constexpr, PRECISION: tl.constexpr):
-    """Newton-Schulz on a register tile x (rows <= cols), fp32; coef_ptr: (STEPS, 3)."""
-    x = x / (tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0)) + 1e-7)
-    for i in tl.static_range(STEPS):
+def _column_block(matrix, k0, rows, cols, stride_b, stride_r, stride_c, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Element offsets of columns k0 .. k0 + BLOCK_K of this program's matrix, read as (rows,
+    cols) through the strides, their in-bounds mask, and their offsets in the contiguous fp32
+    workspace (batch, rows, cols)."""
+    r = tl.arange(0, BLOCK_R)[:, None]
+    k = k0 + tl.arange(0, BLOCK_K)[None, :]
+    inside = (r < rows) & (k < cols)
+    return matrix * stride_b + r * stride_r + k * stride_c, inside, matrix * rows * cols + r * cols + k
+
+
+@triton.jit
+def _orthogonalise(work_ptr, matrix, rows, cols, coef_ptr, STEPS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Newton-Schulz in place on this program's matrix X (rows <= cols) of the contiguous fp32
+    workspace; coef_ptr: (STEPS, 3). The matrix is streamed in column blocks: per step the
+    Gram product G = X X^T accumulates over the blocks, P = b G + c G G, then each block is
+    replaced by a X_k + P X_k (it depends on its own columns only, so in place is exact).
+    Only (rows, rows) tiles and one column block are live at a time, which keeps a 128 x 512
+    matrix within a Hopper SM's shared memory (the whole tile needs more than its 227 KiB)."""
+    sum_sq = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, cols, BLOCK_K):
+        _, inside, work = _column_block(matrix, k0, rows, cols, 0, 0, 0, BLOCK_R, BLOCK_K)
+        x = tl.load(work_ptr + work, mask=inside, other=0.0)
+        sum_sq += x * x
+    scale = 1.0 / (tl.sqrt(tl.sum(tl.sum(sum_sq, axis=1), axis=0)) + 1e-7)
+    for k0 in range(0, cols, BLOCK_K):  # each element is read and written by the same thread
+        _, inside, work = _column_block(matrix, k0, rows, cols, 0, 0, 0, BLOCK_R, BLOCK_K)
+        tl.store(work_ptr + work, scale * tl.load(work_ptr + work, mask=inside, other=0.0), mask=inside)
+    tl.debug_barrier()
+    for i in range(STEPS):  # a loop, not unrolled: unrolled tile dots stall LLVM for minutes
         a = tl.load(coef_ptr + 3 * i)
         b = tl.load(coef_ptr + 3 * i + 1)
         c = tl.load(coef_ptr + 3 * i + 2)
-        gram = tl.dot(x, tl.trans(x), input_precision=PRECISION)
+        gram = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, cols, BLOCK_K):
+            _, inside, work = _column_block(matrix, k0, rows, cols, 0, 0, 0, BLOCK_R, BLOCK_K)
+            x = tl.load(work_ptr + work, mask=inside, other=0.0)
+            gram = tl.dot(x, tl.trans(x), gram, input_precision=PRECISION)
         poly = b * gram + c * tl.dot(gram, gram, input_precision=PRECISION)
-        x = a * x + tl.dot(poly, x, input_precision=PRECISION)
-    return x
+        tl.debug_barrier()  # every thread's reads of X precede the first block written below
+        for k0 in range(0, cols, BLOCK_K):
+            _, inside, work = _column_block(matrix, k0, rows, cols, 0, 0, 0, BLOCK_R, BLOCK_K)
+            x = tl.load(work_ptr + work, mask=inside, other=0.0)
+            tl.store(work_ptr + work, a * x + tl.dot(poly, x, input_precision=PRECISION), mask=inside)
+        tl.debug_barrier()  # the new X is written before the next step reads it
 
 
 @triton.jit
-def _matrix_tile(matrix, rows, cols, stride_b, stride_r, stride_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Element offsets of this program's matrix, read as (rows, cols), and the in-bounds mask."""
-    r = tl.arange(0, BLOCK_R)[:, None]
-    col = tl.arange(0, BLOCK_C)[None, :]
-    return matrix * stride_b + r * stride_r + col * stride_c, (r < rows) & (col < cols)
+def _newton_schulz_kernel(x_ptr, work_ptr, out_ptr, rows, cols, stride_b, stride_r, stride_c, coef_ptr,
+                          STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    matrix = tl.program_id(0).to(tl.int64)
+    for k0 in range(0, cols, BLOCK_K):
+        offsets, inside, work = _column_block(matrix, k0, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_K)
+        tl.store(work_ptr + work, tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32), mask=inside)
+    tl.debug_barrier()
+    _orthogonalise(work_ptr, matrix, rows, cols, coef_ptr, STEPS, BLOCK_R, BLOCK_K, PRECISION)
+    for k0 in range(0, cols, BLOCK_K):
+        offsets, inside, work = _column_block(matrix, k0, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_K)
+        x = tl.load(work_ptr + work, mask=inside, other=0.0)
+        tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _newton_schulz_kernel(x_ptr, out_ptr, rows, cols, stride_b, stride_r, stride_c, coef_ptr,
-                          STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
-    matrix = tl.program_id(0)
-    offsets, inside = _matrix_tile(matrix, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_C)
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    x = _orthogonalise(x, coef_ptr, STEPS, PRECISION)
-    tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, w_out_ptr, s_out_ptr, rows, cols,
+def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, work_ptr, w_out_ptr, s_out_ptr, rows, cols,
                           stride_b, stride_r, stride_c, coef_ptr,
-                          STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
-    matrix = tl.program_id(0)
-    offsets, inside = _matrix_tile(matrix, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_C)
+                          STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    matrix = tl.program_id(0).to(tl.int64)
     eta = tl.load(eta_ptr + matrix).to(tl.float32)
     retain = 1.0 - tl.load(alpha_ptr + matrix).to(tl.float32)
-    s = eta * tl.load(s_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    s = s - tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    tl.store(s_out_ptr + offsets, s.to(s_out_ptr.dtype.element_ty), mask=inside)
+    for k0 in range(0, cols, BLOCK_K):
+        offsets, inside, work = _column_block(matrix, k0, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_K)
+        s = eta * tl.load(s_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        s = s - tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        tl.store(s_out_ptr + offsets, s.to(s_out_ptr.dtype.element_ty), mask=inside)
+        tl.store(work_ptr + work, s, mask=inside)
     if STEPS > 0:
-        s = _orthogonalise(s, coef_ptr, STEPS, PRECISION)
-    w = retain * tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32) + s
-    tl.store(w_out_ptr + offsets, w.to(w_out_ptr.dtype.element_ty), mask=inside)
+        tl.debug_barrier()
+        _orthogonalise(work_ptr, matrix, rows, cols, coef_ptr, STEPS, BLOCK_R, BLOCK_K, PRECISION)
+    for k0 in range(0, cols, BLOCK_K):
+        offsets, inside, work = _column_block(matrix, k0, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_K)
+        w = retain * tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        w += tl.load(work_ptr + work, mask=inside, other=0.0)
+        tl.store(w_out_ptr + offsets, w.to(w_out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -110,7 +155,7 @@ def _symmetric_gram_kernel(x_ptr, cin_ptr, out_ptr, pairs_ptr, n_pairs, rows, co
         k = k0 + tl.arange(0, BLOCK_K)[None, :]
         xi = tl.load(xi_ptr + k * stride_c, mask=in_i & (k < cols), other=0.0).to(tl.float32)
         xj = tl.load(xj_ptr + k * stride_c, mask=in_j & (k < cols), other=0.0).to(tl.float32)
-        acc = tl.dot(xi, tl.trans(xj), acc, input_precision="ieee")  # fp32 products, not rounded to TF32
+        acc = tl.dot(xi, tl.trans(xj), acc, input_precision=FP32_DOT)
     # the upper triangle of the whole matrix: all of an off-diagonal block, half of a diagonal one
     upper = (ri[:, None] <= rj[None, :]) & (rj[None, :] < rows)
     block = matrix * rows * rows + ri[:, None] * rows + rj[None, :]
@@ -124,7 +169,7 @@ def _symmetric_gram_kernel(x_ptr, cin_ptr, out_ptr, pairs_ptr, n_pairs, rows, co
 
 def _check(name: str, x: torch.Tensor, like: torch.Tensor | None = None, fits_tile: bool = True) -> None:
     """Raise a ValueError / TypeError naming `name` unless x suits the kernels (`like`: same
-    shape and device; `fits_tile`: matrices within the single-tile limit)."""
+    shape and device; `fits_tile`: matrices within the per-matrix limit)."""
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{name} is on {x.device}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
                          "use backend='torch'")
@@ -165,11 +210,14 @@ def _oriented(x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
 
 
 def _launch_geometry(x: torch.Tensor):
-    """Single-tile launch: grid (batch,), (rows, cols, strides) as `_oriented`, and block sizes."""
+    """Per-matrix launch: grid (batch,), the fp32 workspace (batch, rows, cols), (rows, cols,
+    strides) as `_oriented`, and block sizes and launch options."""
     batch, rows, cols, *strides = _oriented(x)
-    blocks = {"BLOCK_R": max(16, triton.next_power_of_2(rows)), "BLOCK_C": max(16, triton.next_power_of_2(cols)),
-              "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
-    return (batch,), (rows, cols, *strides), blocks
+    block_rows = max(16, triton.next_power_of_2(rows))
+    blocks = {"BLOCK_R": block_rows, "BLOCK_K": 32 if block_rows > 64 else 64, "num_warps": 8 if block_rows > 64 else 4,
+              "PRECISION": FP32_DOT_PRECISION if x.dtype == torch.float32 else "tf32"}
+    workspace = torch.empty(batch, rows, cols, dtype=torch.float32, device=x.device)
+    return (batch,), workspace, (rows, cols, *strides), blocks
 
 
 @functools.cache
@@ -202,8 +250,8 @@ def symmetric_gram(x: torch.Tensor, cin: torch.Tensor | None = None, alpha: floa
 def _newton_schulz_tile(x: torch.Tensor, schedule) -> torch.Tensor:
     """The whole iteration in one program per matrix; x (..., rows, cols) -> same shape and dtype."""
     out = torch.empty_like(x)
-    grid, geometry, blocks = _launch_geometry(x)
-    _newton_schulz_kernel[grid](x, out, *geometry, _coefficients(schedule, len(schedule), x), STEPS=len(schedule),
+    grid, workspace, geometry, blocks = _launch_geometry(x)
+    _newton_schulz_kernel[grid](x, workspace, out, *geometry, _coefficients(schedule, len(schedule), x), STEPS=len(schedule),
                                 **blocks)
     return out
 
@@ -223,7 +271,7 @@ def _newton_schulz_blocks(x: torch.Tensor, schedule, block: int) -> torch.Tensor
 
 
 class _NewtonSchulz(torch.autograd.Function):
-    """Forward by the single-tile kernel (block None) or the blocked path (square blocks of
+    """Forward by the per-matrix kernel (block None) or the blocked path (square blocks of
     `block` rows); backward by recomputing the torch reference."""
 
     @staticmethod
@@ -253,8 +301,8 @@ class _MemoryUpdate(torch.autograd.Function):
         ctx.save_for_backward(weight, momentum, grad, eta, alpha)
         ctx.steps, ctx.coefficients = steps, coefficients
         new_weight, new_momentum = torch.empty_like(weight), torch.empty_like(momentum)
-        grid, geometry, blocks = _launch_geometry(weight)
-        _memory_update_kernel[grid](weight, momentum, grad, eta.contiguous(), alpha.contiguous(), new_weight,
+        grid, workspace, geometry, blocks = _launch_geometry(weight)
+        _memory_update_kernel[grid](weight, momentum, grad, eta.contiguous(), alpha.contiguous(), workspace, new_weight,
                                     new_momentum, *geometry, _coefficients(coefficients, steps, weight), STEPS=steps,
                                     **blocks)
         return new_weight, new_momentum
@@ -271,7 +319,7 @@ class _MemoryUpdate(torch.autograd.Function):
 def newton_schulz_triton(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
     """Same contract as `kernels.newton_schulz.newton_schulz`, on a Triton device (or under
     TRITON_INTERPRET=1 on CPU). x (..., rows, cols), contiguous, fp32 or bf16, each matrix
-    within MAX_ROWS x MAX_COLS (either orientation): the single-tile kernel."""
+    within MAX_ROWS x MAX_COLS (either orientation): the per-matrix kernel."""
     _check("newton_schulz_triton: x", x)
     return _NewtonSchulz.apply(x, steps, coefficient_schedule(coefficients, steps), None)
 

@@ -2,7 +2,7 @@
 
 On CPU: the compiled torch path against the eager torch reference (ratio), and achieved
 FLOP/s against this machine's fp32 matmul FLOP/s measured in the same run. On CUDA (when
-present) also the Triton kernels against the torch reference: the single-tile kernels and,
+present) also the Triton kernels against the torch reference: the per-matrix kernels and,
 for Newton-Schulz, the blocked path (upper-triangular Gram blocks, any size). Shapes: the
 fast weights of a depth-2 memory with head_dim 64, expansion 4: 16 matrices (batch 4 x 4
 heads) of 64 x 256 and 256 x 64, 5 Newton-Schulz steps.
@@ -66,9 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    peak = measured_matmul_flops()
-    print(f"fp32 matmul peak (2048^3, measured now): {peak / 1e9:.1f} GFLOP/s")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    peak = measured_matmul_flops(device=device)
+    print(f"fp32 matmul peak on {device} (2048^3, measured now): {peak / 1e9:.1f} GFLOP/s")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     backends = ["torch", "compiled"] + (["triton", "triton_blocked"] if device == "cuda" else [])
     print(f"{'op (16 matrices)':<26}" + "".join(f"{b + ' ms':>18}" for b in backends) + f"{'compiled/eager':>16}{'GFLOP/s (best)':>16}{'of peak':>9}")

@@ -9,7 +9,7 @@ Checks (each prints one PASS/FAIL line with its measured figure; exit 1 if any f
               max |logit|).
   attention   flex-attention block masks (CUDA path of models/attention.py) vs dense SDPA with
               the same mask (Titans' sliding-window and MAC masks, document masks): 1e-3 rel.
-  kernels     Triton Newton-Schulz (single tile, blocked) and the fused memory update vs the
+  kernels     Triton Newton-Schulz (per matrix, blocked) and the fused memory update vs the
               torch references, fp32 (1e-3 rel) and bf16 (3e-2 rel).
   drift       the Titans MAC debug model in bf16 (fast weights stay fp32) vs fp32: logits
               within 5e-2 relative.
@@ -204,17 +204,25 @@ DEBUG_CONFIGS = {"transformer_debug": "train_configs.transformer", "mlp_lm_debug
     f"titans_{v}_debug": "train_configs.titans" for v in ("mac", "mag", "mal", "lmm")}
 
 
-def train_run(module: str, config: str, extra: list[str]) -> tuple[int, dict]:
+def last_line(text: str) -> str:
+    """The last non-empty line of a run's output (its error, when it failed)."""
+    lines = [line for line in ANSI.sub("", text).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def train_run(module: str, config: str, extra: list[str]) -> tuple[int, dict, str]:
+    """(exit code, parsed step metrics, last output line) of one run through scripts/train.sh."""
     args = ["bash", str(REPO / "scripts" / "train.sh"), "--module", module, "--config", config,
             "--metrics.no-enable-wandb", "--metrics.log_freq", "1", "--validator.no-enable",
             "--checkpoint.no-enable", "--dump_folder", str(REPO / "outputs" / "gpu_check" / config), *extra]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
-    return proc.returncode, parse_log(proc.stdout + proc.stderr)
+    output = proc.stdout + proc.stderr
+    return proc.returncode, parse_log(output), last_line(output)
 
 
-def loss_falls(name: str, returncode: int, steps: dict) -> Result:
+def loss_falls(name: str, returncode: int, steps: dict, last: str) -> Result:
     if returncode or len(steps) < 2:
-        return Result(name, False, f"exit code {returncode}, {len(steps)} steps logged")
+        return Result(name, False, f"exit code {returncode}, {len(steps)} steps logged: {last}")
     first, last = steps[min(steps)]["loss"], steps[max(steps)]["loss"]
     return Result(name, last < first, f"loss {first:.3f} -> {last:.3f}")
 
@@ -227,13 +235,13 @@ def check_train(device: str, steps: int = 20) -> list[Result]:
 def check_throughput(device: str) -> list[Result]:
     results = []
     for config, module in (("titans_mac_170m", "train_configs.titans"), ("mela_400m", "train_configs.mela")):
-        code, steps = train_run(module, config, ["--training.steps", "10", "--training.local_batch_size", "1",
+        code, steps, last = train_run(module, config, ["--training.steps", "10", "--training.local_batch_size", "1",
                                                  "--training.global_batch_size", "1", "--training.seq_len", "4096",
                                                  "--dataloader.dataset", "embedded", "--hf_assets_path",
                                                  str(default_tokenizer_dir())])
         later = [s for n, s in steps.items() if n > 2] or list(steps.values())
         if code or not later:
-            results.append(Result(f"throughput {config}", False, f"exit code {code}"))
+            results.append(Result(f"throughput {config}", False, f"exit code {code}: {last}"))
             continue
         tps = sorted(s["tps"] for s in later)[len(later) // 2]
         mfu = sorted(s["mfu"] for s in later)[len(later) // 2]

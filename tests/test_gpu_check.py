@@ -46,9 +46,10 @@ def test_parse_log_reads_loss_throughput_and_mfu():
     steps = gpu_check.parse_log(SAMPLE_LOG)
     assert steps[3] == {"loss": 7.12345, "tps": 12345.0, "mfu": 41.5}
     assert steps[4]["tps"] == 999.0 and steps[4]["mfu"] != steps[4]["mfu"]  # N/A -> nan
-    assert gpu_check.loss_falls("run", 0, steps).ok
-    assert not gpu_check.loss_falls("run", 0, {1: {"loss": 5.0}, 2: {"loss": 6.0}}).ok
-    assert not gpu_check.loss_falls("run", 1, steps).ok
+    assert gpu_check.loss_falls("run", 0, steps, "").ok
+    assert not gpu_check.loss_falls("run", 0, {1: {"loss": 5.0}, 2: {"loss": 6.0}}, "").ok
+    assert "Error: boom" in gpu_check.loss_falls("run", 1, steps, "Error: boom").detail
+    assert gpu_check.last_line("step 1\n\x1b[31mError: boom\x1b[0m\n\n") == "Error: boom"
 
 
 def test_family_check_runs_on_the_cpu():

@@ -73,3 +73,10 @@ def test_launcher_exits_2_with_one_line_and_leaves_checkpoints_alone(tokenizer_d
     errors = [line for line in run.output.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: training.seq_len 999999"), run
     assert (step / ".metadata").read_bytes() == b"last good"
+
+
+def test_config_module_with_a_missing_dependency_names_the_dependency(tmp_path, monkeypatch):
+    (tmp_path / "configs_needing_x.py").write_text("import no_such_dependency_x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match="No module named 'no_such_dependency_x'"):
+        preflight.parse(["--module", "configs_needing_x", "--config", "anything"])

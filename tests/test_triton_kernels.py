@@ -14,7 +14,8 @@ from kernels.newton_schulz import newton_schulz
 from kernels.triton_kernels import newton_schulz_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = [(3, 16, 16), (2, 20, 48), (2, 48, 20), (4, 2, 17, 33), (1, 64, 256)]
+# (1, 64, 256): four column blocks of 64; (1, 100, 300), (1, 300, 100): BLOCK_R 128, ten 32-column blocks
+SHAPES = [(3, 16, 16), (2, 20, 48), (2, 48, 20), (4, 2, 17, 33), (1, 64, 256), (1, 100, 300), (1, 300, 100)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -92,7 +93,7 @@ def test_dispatch_rejects_unknown_backend():
         dispatch(torch.randn(4, 4), 5, backend="cuda")
 
 
-UPDATE_SHAPES = [(2, 3, 16, 32), (2, 3, 32, 16), (1, 2, 20, 36)]
+UPDATE_SHAPES = [(2, 3, 16, 32), (2, 3, 32, 16), (1, 2, 20, 36), (1, 2, 150, 80)]
 
 
 def update_inputs(shape, seed=4):

@@ -85,15 +85,18 @@ class CpuDeviceModule:
 
 
 @functools.cache
-def measured_matmul_flops(n: int = 2048, repeats: int = 3) -> float:
-    """fp32 FLOP/s of an n x n matmul on this machine (best of `repeats`)."""
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
+def measured_matmul_flops(n: int = 2048, repeats: int = 3, device: str = "cpu") -> float:
+    """fp32 FLOP/s of an n x n matmul on `device` (best of `repeats`)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     a @ b  # warm-up
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         a @ b
+        sync()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 
