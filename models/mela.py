@@ -36,16 +36,25 @@ Choices where the paper is silent (each tested in tests/test_mela.py):
 - Inside the HMM, attention is causal over the patches of the same chunk (chunk-local), so
   the neural memories are the only cross-chunk channel there too and the carried state
   has constant size. Patch positions for RoPE are chunk-local (0..C-1).
-- Each module step of the recursion (cycle i, L-step j; cycle i's H step) is its own
-  stream over the chunks: its blocks' neural memories continue from that same step's state
-  of the previous call (a step starting from another step's memory, written over the whole
-  call, would read the future). The carried state holds all H*L + H of them: constant in
-  the context length, and segment-by-segment equals one pass exactly.
+- Memory chains (`memory_chain`). "per_step": each module step of the recursion (cycle i,
+  L-step j; cycle i's H step) is its own stream over the chunks: its blocks' neural memories
+  continue from that same step's state of the previous chunk, and the whole sequence runs
+  through one step before the next (H*L + H chains). "per_block" (section 5.3: the memory
+  "is updated and read across the full recurrent depth of HMM"): one memory per memory
+  block, carried through every L- and H-step of a chunk and on to the next chunk, so the
+  recursion runs chunk by chunk (a Python loop over the N_p / C chunks). The no-grad
+  cycles' writes enter the gradient as constant increments (`straight_through`), so the
+  initial weights and earlier chunks' writes still learn; per_block needs read-after-write
+  (else the last step's write would reach the loss only through no-grad cycles). Either way the carried state is constant in the context length
+  and segment-by-segment equals one pass exactly.
 - L-module input: Fuse_L(concat(l, h)) + x_p (input injection, as HRM's z_L + z_H + x);
   H-module input: Fuse_H(concat(h, l)). Each module ends with an RMSNorm so that l and h
   keep their scale over cycles. Fusion MLPs: Linear(2m, m) -> SiLU -> Linear(m, out).
 - Decoder positions are chunk-local: memory tokens 0..C-1, text C..C+PC-1, so every chunk
   looks alike and context beyond the training length is purely a memory question.
+- `memory_path=False` is the replication's control (scripts/replicate_mela_length.py): the
+  same decoder and window, every chunk reading `memory_init` and zero MemStack additions;
+  the HMM's parameters stay in the model, unused.
 - Token embeddings are shared by the HMM and the decoder and tied to the output head (the
   paper's Table 1 leaves only "embedding and output projection" outside memory/language).
 - Streaming (`stream`): the state (neural memories of every HMM block, the last chunk's
@@ -71,6 +80,7 @@ from models.transformer import Attention, DecoderBlock
 
 FUSIONS = ("mlp", "h_only", "weighted_sum")
 MEMORY_READS = ("after_write", "before_write")
+MEMORY_CHAINS = ("per_step", "per_block")
 
 
 def mela_memory(**overrides) -> NeuralMemoryConfig:
@@ -104,6 +114,8 @@ class MelaConfig:
     attention_gating: bool = True
     fusion: str = "mlp"  # "mlp" | "h_only" | "weighted_sum"
     memory_read: str = "after_write"  # HMM memory chunk c reads M_c ("after_write") or M_{c-1} ("before_write")
+    memory_chain: str = "per_step"  # one memory per module step ("per_step") or per block across the depth ("per_block")
+    memory_path: bool = True  # False: every decoder chunk reads memory_init, the HMM never runs (a control)
     memory_attention: bool = True  # gated attention inside the memory blocks
     neural_memory: bool = True  # neural memory inside the memory blocks
     rope_theta: float = 10000.0
@@ -121,6 +133,11 @@ class MelaConfig:
             raise ValueError(f"Mela fusion '{self.fusion}' unknown: choose one of {FUSIONS}")
         if self.memory_read not in MEMORY_READS:
             raise ValueError(f"Mela memory_read '{self.memory_read}' unknown: choose one of {MEMORY_READS}")
+        if self.memory_chain not in MEMORY_CHAINS:
+            raise ValueError(f"Mela memory_chain '{self.memory_chain}' unknown: choose one of {MEMORY_CHAINS}")
+        if self.memory_chain == "per_block" and self.memory_read != "after_write":
+            raise ValueError("Mela memory_chain 'per_block' needs memory_read 'after_write': reading before the write, "
+                             "the last step's write reaches later chunks only through no-grad cycles (no gradient)")
         if not (self.memory_attention or self.neural_memory):
             raise ValueError("Mela memory blocks need attention or neural memory (or both): do not turn off both")
         if self.memstack and self.h_cycles - 1 > self.n_layers:
@@ -154,6 +171,14 @@ class MelaConfig:
         """Shortest training sequence whose loss reaches the memory writes: a second decoder
         chunk reading after the write, a third reading before it."""
         return (1 if self.memory_read == "after_write" else 2) * self.chunk_tokens + 1
+
+    @property
+    def memory_chains(self) -> tuple[int, int]:
+        """(L-module, H-module) memory chains a stream carries: one per module step (H*L, H)
+        or one per block (1, 1: each holding every block's memory)."""
+        if self.memory_chain == "per_block":
+            return 1, 1
+        return self.h_cycles * self.l_cycles, self.h_cycles
 
     @property
     def window(self) -> int:
@@ -236,6 +261,12 @@ class MemoryModule(nn.Module):
         self.blocks = nn.ModuleList(MemoryBlock(cfg) for _ in range(n_blocks))
         self.norm = nn.RMSNorm(m, eps=cfg.norm_eps)
 
+    def fresh_states(self, x: torch.Tensor) -> tuple:
+        """Fresh block states for activations x (B, ..., m): each neural memory's initial
+        weights (None for a block without one)."""
+        return tuple(block.memory.empty_state(x.shape[0], x.device, x.dtype) if hasattr(block, "memory") else None
+                     for block in self.blocks)
+
     def forward(self, a: torch.Tensor, b: torch.Tensor, injection: torch.Tensor | None, states: tuple | None):
         """a, b (B, N_p, m); states: one neural-memory state (or None) per block, or None
         (all fresh).
@@ -266,32 +297,67 @@ class HierarchicalMemory(nn.Module):
         self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor, l_states: tuple, h_states: tuple):
-        """x (B, T, dim) embeddings of whole chunks (T a multiple of P*C); l_states (H*L)
-        and h_states (H): the carried block states of every module step (None: fresh).
+        """x (B, T, dim) embeddings of whole chunks (T a multiple of P*C); l_states, h_states:
+        the carried memory chains (`MelaConfig.memory_chains` of each; None: fresh), each a
+        tuple of block states.
         Returns [z^(1), ..., z^(H)] with MemStack (else [z^(H)]), each (B, T / P, dim),
         and the new l_states, h_states."""
-        cfg = self.cfg
         x_p = self.patchify(self.embed_proj(x).transpose(1, 2)).transpose(1, 2)
-        # low, high: the paper's l and h states.
-        low = high = x_p
-        zs, new_l, new_h, changes = [], [], [], {}
+        if self.cfg.memory_chain == "per_step":
+            return self.recursion(x_p, l_states, h_states)
+        per_chunk = []
+        for chunk in x_p.split(self.cfg.chunk_size, dim=1):
+            zs, l_states, h_states = self.recursion(chunk, l_states, h_states)
+            per_chunk.append(zs)
+        return [torch.cat(parts, 1) for parts in zip(*per_chunk)], l_states, h_states
+
+    def recursion(self, x_p: torch.Tensor, l_states: tuple, h_states: tuple):
+        """Hierarchical latent recursion (section 3.2) over patches x_p (B, N_p, m), N_p a
+        multiple of C. Step k of the L-module (k = cycle * L + j) continues chain
+        l_states[k] per_step, chain 0 per_block; likewise the H-module's steps.
+        Returns the fused outputs (as `forward`) and the updated chains."""
+        cfg = self.cfg
+        shared = cfg.memory_chain == "per_block"
+        l_states, h_states = list(l_states), list(h_states)
+        if shared:
+            l_states = [l_states[0] or self.l_module.fresh_states(x_p)]
+            h_states = [h_states[0] or self.h_module.fresh_states(x_p)]
+            entering = l_states[0], h_states[0]
+        low = high = x_p  # the paper's l and h states
+        zs, changes = [], {}
         for cycle in range(cfg.h_cycles):
             last = cycle == cfg.h_cycles - 1
             before = low.detach(), high.detach()
             with torch.set_grad_enabled(last and torch.is_grad_enabled()):
                 if last and cycle > 0:
                     low, high = low.detach(), high.detach()
-                for _ in range(cfg.l_cycles):
-                    low, states = self.l_module(low, high, x_p, l_states[len(new_l)])
-                    new_l.append(states)
-                high, states = self.h_module(high, low, None, h_states[cycle])
-                new_h.append(states)
+                    if shared:
+                        l_states[0], h_states[0] = map(straight_through, entering, (l_states[0], h_states[0]))
+                for step in range(cycle * cfg.l_cycles, (cycle + 1) * cfg.l_cycles):
+                    k = 0 if shared else step
+                    low, l_states[k] = self.l_module(low, high, x_p, l_states[k])
+                k = 0 if shared else cycle
+                high, h_states[k] = self.h_module(high, low, None, h_states[k])
             changes |= {f"cycle{cycle}/{name}_change": relative_norm(after.detach() - prior, prior)
                         for name, after, prior in (("l", low, before[0]), ("h", high, before[1]))}
             if cfg.memstack or last:
                 zs.append(self.fusions[len(zs)](low, high))
         self.last_stats = changes
-        return zs, tuple(new_l), tuple(new_h)
+        return zs, tuple(l_states), tuple(h_states)
+
+
+def straight_through(entering: tuple, after: tuple) -> tuple:
+    """Block states `after` the no-grad cycles, whose weights and momenta pass gradient to
+    the `entering` states as the identity: M_entering + (M_after - M_entering).detach(). The
+    no-grad cycles' writes enter as constant increments (HRM's one-step gradient, applied to
+    the memory chain), so a per_block chain's initial weights and earlier chunks' writes
+    still learn when H > 1."""
+    def carry(before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+        return before + (now - before).detach()
+
+    return tuple(None if now is None else now._replace(
+        weights=tuple(map(carry, before.weights, now.weights)), momentum=tuple(map(carry, before.momentum, now.momentum)))
+        for before, now in zip(entering, after))
 
 
 def relative_norm(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -301,8 +367,8 @@ def relative_norm(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 
 class MelaState(NamedTuple):
-    """What a stream carries between calls: the block states of every L-module step (H*L) and
-    H-module step (H), each a tuple per block or None (fresh), the memory tokens for the next chunk
+    """What a stream carries between calls: the memory chains of the L- and H-module
+    (`MelaConfig.memory_chains`), each a tuple of block states or None (fresh), the memory tokens for the next chunk
     ([z^(1..H)] or [z^(H)], each (B, C, dim)), and whether the last call ended on a
     chunk boundary."""
 
@@ -366,7 +432,8 @@ class Mela(nn.Module):
         cfg = self.cfg
         first = self.memory_init.expand(batch, -1, -1)
         stack = (torch.zeros_like(first),) * (cfg.h_cycles - 1 if cfg.memstack else 0)
-        return MelaState((None,) * (cfg.h_cycles * cfg.l_cycles), (None,) * cfg.h_cycles, stack + (first,))
+        l_chains, h_chains = cfg.memory_chains
+        return MelaState((None,) * l_chains, (None,) * h_chains, stack + (first,))
 
     def memstack_addition(self, z: torch.Tensor) -> torch.Tensor:
         """z (B', C, dim) memory features of each chunk -> (B', C + P*C, dim): z at the
@@ -396,8 +463,10 @@ class Mela(nn.Module):
         x = self.tok_embeddings(tokens)
         full = length // span * span
         l_states, h_states = state.l_states, state.h_states
-        if full:
+        if full and cfg.memory_path:
             zs, l_states, h_states = self.hmm(x[:, :full], l_states, h_states)
+        elif full:  # the control: every chunk reads what chunk 0 of a fresh stream reads
+            zs = [t.repeat(1, full // span, 1) for t in self.initial_state(batch).memory_tokens]
         else:
             zs = [t[:, :0] for t in state.memory_tokens]
         # Chunk k reads the HMM output of chunk k - 1 (chunk 0: the carried tokens).

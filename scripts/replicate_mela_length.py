@@ -1,81 +1,263 @@
-"""Small-scale replication of Mela's length claim (002_*.txt, Figure 4) on CPU.
+"""Small-scale replication of Mela's length claim (002_*.txt, Figure 4), with controls.
 
-mela_debug and a Transformer++ of the same size (transformer_small, 2.4M parameters each)
-train on the same data, steps and context (512 tokens), then perplexity is measured at 1x,
-2x, 4x and 8x the training context (Mela streams chunk by chunk; the Transformer reads the
-whole context in one pass). The paper's claim: Mela stays on the same order while the
-Transformer degrades sharply past its training length.
+The paper's claim: Mela's perplexity stays on the same order as the context grows past the
+training length, while a Transformer's degrades. Any model whose attention spans one chunk
+is flat in length by construction, so the claim is read through two effects:
 
-Data: the embedded CPython corpus. Every other document of at least 8x the context in
-tokens is held out for evaluation; the rest is the training set (local jsonl files).
+- memory effect = Mela vs Mela with its memory path off (`memory_path=False`: every decoder
+  chunk reads `memory_init`; same decoder, same window), both chains of the memory across
+  the recursion depth (`memory_chain` per_step and per_block);
+- window effect = a Transformer++ (torchtitan's llama3, `transformer_small`, the same 2.4M
+  parameters as `mela_debug`) with Mela's chunk-local mask and positions vs the same
+  Transformer with full causal attention over its training context.
 
-    python scripts/replicate_mela_length.py --out outputs/replication [--steps 400]
-Writes <out>/eval/{results.json,results.md,perplexity_vs_context.png}.
+Setup: `mela_debug` (P = C = 8, so P*C = 64 tokens) trains at a 128-token context, the
+paper's P*C : context ratio of 1/2 (2048 : 4096). Every model trains in this process with
+the same loop (AdamW, warm-up then cosine, batch 16, same data order per seed), for each
+of `--seeds` seeds. Data: the embedded CPython corpus; every other document of at least
+8x the context is held out (44 documents), the rest is the training stream. Evaluation:
+each held-out document's first 8x-context tokens in one causal pass; perplexity at 1x,
+2x, 4x, 8x the training context is that of each prefix. Intervals: 95% bootstrap over
+documents (seed-averaged per-document loss, 2000 resamples); the effects are paired
+ratios of perplexities over the same documents. Loss by position inside a decoder chunk
+(P*C = 64 positions) shows where the memory helps.
+
+    python scripts/replicate_mela_length.py --out outputs/replication [--steps 200] [--seeds 3]
+Writes <out>/results.json, results.md and replication.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
+import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-MODELS = {"mela_debug": "train_configs.mela", "transformer_small": "train_configs.transformer"}
+CONTEXT = 128  # training context: 2 Mela chunks of P*C = 64 tokens
+CHUNK = 64  # P*C of mela_debug
+EVAL_MULTIPLES = (1, 2, 4, 8)
+BATCH, LR, WEIGHT_DECAY = 16, 3e-3, 0.1
 
 
-def split_corpus(folder: Path, min_tokens: int) -> None:
-    """train.jsonl / eval.jsonl: every other document with >= min_tokens tokens is held out."""
+@dataclass(frozen=True)
+class Variant:
+    """One model of the comparison: `build(seed)` -> (model, logits(model, tokens))."""
+
+    name: str
+    build: Callable
+
+
+def mela_variant(name: str, **fields) -> Variant:
+    def build(seed: int):
+        from models.mela import Mela
+        from torchtitan_ext.mela import model_config
+
+        torch.manual_seed(seed)
+        return Mela(model_config("debug", **fields)), lambda model, tokens: model(tokens)
+
+    return Variant(name, build)
+
+
+def transformer_variant(name: str, chunk_local: bool) -> Variant:
+    def build(seed: int):
+        from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
+        from torchtitan_ext.transformer import model_config
+
+        torch.manual_seed(seed)
+        model = model_config("small", "cpu").build()
+        model.init_weights(buffer_device=None)
+
+        def logits(model, tokens):
+            positions = torch.arange(tokens.shape[1])
+            if chunk_local:  # positions restart every chunk: each chunk is one attention "document"
+                positions = positions % CHUNK
+            positions = positions.expand_as(tokens)
+            return model(tokens, positions=positions, attention_masks=create_varlen_metadata_for_document(positions))
+
+        return model, logits
+
+    return Variant(name, build)
+
+
+VARIANTS = [
+    mela_variant("mela (per_step)"),
+    mela_variant("mela (per_block)", memory_chain="per_block"),
+    mela_variant("mela, memory path off", memory_path=False),
+    transformer_variant("transformer, chunk-local", chunk_local=True),
+    transformer_variant("transformer, full", chunk_local=False),
+]
+
+
+def load_corpus(min_eval_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(training token stream, held-out documents): every other document with at least
+    `min_eval_tokens` tokens is held out, cut to that length."""
     from torchtitan_ext.embedded_corpus import embedded_documents
     from torchtitan_ext.paths import default_tokenizer_dir
     from torchtitan_ext.tokenizer import AssetsTokenizer
 
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(default_tokenizer_dir()))
-    long_docs = 0
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "train.jsonl", "w") as train, open(folder / "eval.jsonl", "w") as held_out:
-        for doc in embedded_documents():
-            is_long = len(tokenizer.encode(doc)) >= min_tokens
-            long_docs += is_long
-            target = held_out if is_long and long_docs % 2 else train
-            target.write(json.dumps({"text": doc}) + "\n")
+    train, held_out, long_docs = [], [], 0
+    for doc in embedded_documents():
+        ids = tokenizer.encode(doc, add_bos=True, add_eos=True)
+        is_long = len(ids) >= min_eval_tokens
+        long_docs += is_long
+        if is_long and long_docs % 2:
+            held_out.append(torch.tensor(ids[:min_eval_tokens]))
+        else:
+            train.extend(ids)
+    return torch.tensor(train), held_out
 
 
-def train(name: str, folder: Path, data: Path, seq_len: int, steps: int) -> Path:
-    final = folder / name / "checkpoint" / f"step-{steps}"
-    if final.exists():
-        return final
-    args = ["--module", MODELS[name], "--config", name, "--dump_folder", str(folder / name),
-            "--training.seq_len", str(seq_len), "--training.steps", str(steps),
-            "--lr_scheduler.warmup_steps", str(steps // 10), "--checkpoint.interval", str(steps),
-            "--validator.no-enable", "--dataloader.dataset", "local",
-            "--dataloader.dataset_path", str(data / "train.jsonl"), "--debug.seed", "0"]
-    subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), *args], check=True, cwd=REPO,
-                   env={**os.environ, "SKIP_SETUP": "1"})
-    return final
+def train(variant: Variant, stream: torch.Tensor, seed: int, steps: int):
+    """The model of `variant` trained for `steps` on random CONTEXT+1 windows of `stream`
+    (the same windows for every variant of a seed). Returns (model, logits fn, final loss)."""
+    model, logits_of = variant.build(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95))
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
+        1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, steps - warmup))))))
+    data = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(stream) - CONTEXT - 1, (BATCH,), generator=data)
+        window = torch.stack([stream[s : s + CONTEXT + 1] for s in starts.tolist()])
+        logits = logits_of(model, window[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), window[:, 1:].flatten())
+        if not torch.isfinite(loss):
+            raise SystemExit(f"error: {variant.name} seed {seed}: loss is {loss.item()}: lower LR in this script")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+    return model.eval(), logits_of, loss.item()
+
+
+@torch.no_grad()
+def token_losses(model, logits_of, docs: list[torch.Tensor]) -> torch.Tensor:
+    """(docs, L - 1) NLL of each document's tokens 1.. in one causal pass."""
+    losses = []
+    for doc in docs:
+        logits = logits_of(model, doc[None, :-1]).float()
+        losses.append(torch.nn.functional.cross_entropy(logits[0], doc[1:], reduction="none"))
+    return torch.stack(losses)
+
+
+def bootstrap(per_doc: torch.Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of exp(mean) over documents resampled with replacement; per_doc (D,)."""
+    picks = torch.randint(0, len(per_doc), (resamples, len(per_doc)), generator=torch.Generator().manual_seed(seed))
+    means = per_doc[picks].mean(1).exp().sort().values
+    return means[int(0.025 * resamples)].item(), means[int(0.975 * resamples) - 1].item()
+
+
+def summarize(losses: dict[str, torch.Tensor]) -> dict:
+    """losses: name -> (seeds, docs, L - 1). Perplexity with interval per prefix length,
+    paired effect ratios, loss by position inside a chunk."""
+    lengths = [CONTEXT * k for k in EVAL_MULTIPLES]
+    runs = {}
+    for name, nll in losses.items():
+        seed_mean = nll.mean(0)  # (docs, L - 1)
+        per_length = {}
+        for length in lengths:
+            per_doc = seed_mean[:, : length - 1].mean(1)
+            per_seed = nll[:, :, : length - 1].mean((1, 2)).exp()
+            low, high = bootstrap(per_doc)
+            per_length[str(length)] = {"ppl": per_doc.mean().exp().item(), "ci95": [low, high],
+                                       "seeds": per_seed.tolist()}
+        targets = torch.arange(1, seed_mean.shape[1] + 1)
+        past_first = targets >= CHUNK  # chunk 0 reads no memory in any model
+        by_position = [seed_mean[:, past_first & (targets % CHUNK == p)].mean().item() for p in range(CHUNK)]
+        runs[name] = {"results": per_length, "loss_by_chunk_position": by_position}
+    effects = {}
+    for label, model, control in (("memory effect: mela (per_step) / memory path off", "mela (per_step)",
+                                   "mela, memory path off"),
+                                  ("memory effect: mela (per_block) / memory path off", "mela (per_block)",
+                                   "mela, memory path off"),
+                                  ("chain: per_block / per_step", "mela (per_block)", "mela (per_step)"),
+                                  ("window effect: transformer chunk-local / full", "transformer, chunk-local",
+                                   "transformer, full")):
+        if model not in losses or control not in losses:
+            continue
+        diff = losses[model].mean(0) - losses[control].mean(0)
+        effects[label] = {str(n): {"ratio": diff[:, : n - 1].mean().exp().item(),
+                                   "ci95": list(bootstrap(diff[:, : n - 1].mean(1)))} for n in lengths}
+    seeds, documents = next(iter(losses.values())).shape[:2]
+    return {"context": CONTEXT, "chunk_tokens": CHUNK, "lengths": lengths, "documents": documents, "seeds": seeds,
+            "runs": runs, "effects": effects}
+
+
+def markdown(results: dict, steps: int) -> str:
+    lengths = results["lengths"]
+    head = "| model | " + " | ".join(f"ppl @ {n}" for n in lengths) + " |"
+    lines = [f"Training context {results['context']} tokens, {steps} steps, {results['seeds']} seeds, "
+             f"{results['documents']} held-out documents; perplexity (95% bootstrap interval).", "",
+             head, "|" + " --- |" * (len(lengths) + 1)]
+    for name, run in results["runs"].items():
+        cells = [f"{r['ppl']:.1f} ({r['ci95'][0]:.1f}-{r['ci95'][1]:.1f})" for r in run["results"].values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| ratio of perplexities (paired by document) | " + " | ".join(str(n) for n in lengths) + " |",
+              "|" + " --- |" * (len(lengths) + 1)]
+    for label, per_length in results["effects"].items():
+        cells = [f"{e['ratio']:.3f} ({e['ci95'][0]:.3f}-{e['ci95'][1]:.3f})" for e in per_length.values()]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lengths = results["lengths"]
+    for name, run in results["runs"].items():
+        ppl = [run["results"][str(n)]["ppl"] for n in lengths]
+        errors = [[p - run["results"][str(n)]["ci95"][0] for p, n in zip(ppl, lengths)],
+                  [run["results"][str(n)]["ci95"][1] - p for p, n in zip(ppl, lengths)]]
+        left.errorbar(lengths, ppl, yerr=errors, marker="o", capsize=3, label=name)
+        right.plot(range(results["chunk_tokens"]), run["loss_by_chunk_position"], label=name)
+    left.set(xscale="log", xlabel="context (tokens)", ylabel="perplexity (95% CI)", xticks=lengths,
+             xticklabels=[str(n) for n in lengths], title=f"trained at {results['context']} tokens")
+    right.set(xlabel="position inside the decoder chunk (P*C = 64)", ylabel="mean loss (chunks 1..)",
+              title="loss by position in chunk")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/replication"))
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--only", help="comma-separated variant names (default: all)")
     args = parser.parse_args()
-    out = args.out.resolve()
-    lengths = [args.seq_len * k for k in (1, 2, 4, 8)]
-    split_corpus(out / "data", lengths[-1])
-    checkpoints = {name: train(name, out, out / "data", args.seq_len, args.steps) for name in MODELS}
-    command = [sys.executable, str(REPO / "scripts" / "eval_long_ppl.py"), "--out", str(out / "eval"),
-               "--dataset", str(out / "data" / "eval.jsonl"), "--context-lengths", ",".join(map(str, lengths)),
-               "--bucket", str(args.seq_len)]
-    for name, step_dir in checkpoints.items():
-        mode = "streaming" if name.startswith("mela") else "full"
-        command += ["--checkpoint", str(step_dir), "--config", f"{MODELS[name]}:{name}", "--mode", mode]
-    subprocess.run(command, check=True, cwd=REPO)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stream, docs = load_corpus(CONTEXT * EVAL_MULTIPLES[-1])
+    print(f"training stream {len(stream):,} tokens; {len(docs)} held-out documents of {len(docs[0])} tokens")
+    chosen = [v for v in VARIANTS if not args.only or v.name in args.only.split(",")]
+    losses = {}
+    for variant in chosen:
+        per_seed = []
+        for seed in range(args.seeds):
+            start = time.time()
+            model, logits_of, final = train(variant, stream, seed, args.steps)
+            per_seed.append(token_losses(model, logits_of, docs))
+            print(f"{variant.name} seed {seed}: final train loss {final:.3f}, held-out loss "
+                  f"{per_seed[-1].mean():.3f} ({time.time() - start:.0f} s)", flush=True)
+        losses[variant.name] = torch.stack(per_seed)
+    results = summarize(losses) | {"steps": args.steps}
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / "results.md").write_text(markdown(results, args.steps))
+    plot(results, args.out / "replication.png")
+    print(markdown(results, args.steps))
 
 
 if __name__ == "__main__":

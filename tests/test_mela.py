@@ -18,6 +18,7 @@ VARIANTS = {
     "weighted_sum": dict(fusion="weighted_sum", memory_dim=16),
     "h_only_no_ns": dict(fusion="h_only", newton_schulz_steps=0),
     "no_attention_3_cycles": dict(memory_attention=False, h_cycles=3, l_cycles=1),
+    "per_block_chain": dict(memory_chain="per_block"),
 }
 
 
@@ -165,9 +166,10 @@ def test_memstack_adds_only_at_memory_token_positions(monkeypatch):
     assert not torch.equal(y1_on[:, :c], y1_off[:, :c])
 
 
+@pytest.mark.parametrize("chain", ["per_step", "per_block"])
 @pytest.mark.parametrize("segments", [[8, 8, 8, 8, 7], [16, 23], [24, 3], [8, 1]], ids=str)
-def test_segment_by_segment_equals_one_pass(segments, float64):
-    model = small_model().eval()
+def test_segment_by_segment_equals_one_pass(segments, chain, float64):
+    model = small_model(memory_chain=chain).eval()
     x = tokens(2, sum(segments))
     with torch.no_grad():
         whole = model(x)
@@ -182,8 +184,9 @@ def test_a_segment_ending_mid_chunk_must_be_the_last():
             model.stream(tokens(1, 8), state)
 
 
-def test_carried_state_has_constant_size():
-    model = small_model().eval()
+@pytest.mark.parametrize("chain", ["per_step", "per_block"])
+def test_carried_state_has_constant_size(chain):
+    model = small_model(memory_chain=chain).eval()
     sizes = []
     with torch.no_grad():
         state = None
@@ -222,6 +225,8 @@ def test_config_rejects_bad_ablation_settings():
         MelaConfig(memory_attention=False, neural_memory=False)
     with pytest.raises(ValueError, match="needs n_layers >= 3"):
         MelaConfig(h_cycles=4, n_layers=2)
+    with pytest.raises(ValueError, match="memory_chain 'per_block' needs memory_read 'after_write'"):
+        MelaConfig(memory_chain="per_block", memory_read="before_write")
 
 
 def test_ablation_flags_change_the_model():
@@ -231,3 +236,76 @@ def test_ablation_flags_change_the_model():
     assert small_model(newton_schulz_steps=0).hmm.h_module.blocks[0].memory.cfg.newton_schulz_steps == 0
     assert base.hmm.h_module.blocks[0].memory.cfg.newton_schulz_steps == 5
     assert not hasattr(small_model(neural_memory=False).hmm.h_module.blocks[0], "memory")
+
+
+def memory_calls(model: Mela, length: int) -> dict[int, list[tuple]]:
+    """Per HMM neural memory (by id): (state passed in, state returned) of each call in one
+    forward of a fresh stream, in call order."""
+    calls: dict[int, list[tuple]] = {}
+    for block in [*model.hmm.l_module.blocks, *model.hmm.h_module.blocks]:
+        block.memory.register_forward_hook(
+            lambda m, args, out: calls.setdefault(id(m), []).append((args[1], out[1])))
+    with torch.no_grad():
+        model(tokens(1, length))
+    return calls
+
+
+def test_per_block_chain_carries_one_memory_through_every_step_and_chunk():
+    """per_block: each call of a block's memory starts from the state its previous call
+    returned (L-steps, cycles, then the next chunk), the first from the initial weights. per_step: a fresh stream's H*L + H
+    step chains each start from a fresh memory, once over the whole sequence."""
+    model = small_model(memory_chain="per_block", h_cycles=2, l_cycles=2)
+    n_chunks = 3
+    calls = memory_calls(model, 8 * n_chunks)
+    l_block, h_block = id(model.hmm.l_module.blocks[0].memory), id(model.hmm.h_module.blocks[0].memory)
+    assert len(calls[l_block]) == n_chunks * 2 * 2 and len(calls[h_block]) == n_chunks * 2
+    for memory_id, chain in calls.items():
+        memory = next(m for m in model.modules() if id(m) == memory_id)
+        for start, initial in zip(chain[0][0].weights, memory.initial()):
+            assert torch.equal(start[0], initial)
+        for (state_in, _), (_, previous_out) in zip(chain[1:], chain):
+            for a, b in zip(state_in.weights + state_in.momentum, previous_out.weights + previous_out.momentum):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the same up to straight_through's rounding
+    model = small_model(h_cycles=2, l_cycles=2)
+    per_step = memory_calls(model, 8 * n_chunks)
+    assert len(per_step[id(model.hmm.l_module.blocks[0].memory)]) == 2 * 2
+    assert len(per_step[id(model.hmm.h_module.blocks[0].memory)]) == 2
+    assert all(state_in is None for chain in per_step.values() for state_in, _ in chain)
+
+
+def test_per_block_initial_memory_and_earlier_writes_learn_through_the_no_grad_cycles():
+    """H = 2: the first cycle runs without gradient, yet the loss of chunk 2 (reading chunk 1's
+    HMM output) reaches the initial fast weights and chunk 0's memory inputs."""
+    model = small_model(memory_chain="per_block", h_cycles=2)
+    x = tokens(1, 24)
+    embeddings = []
+    model.tok_embeddings.register_forward_hook(lambda m, args, out: embeddings.append(out.retain_grad() or out))
+    model(x)[:, 16:].logsumexp(-1).sum().backward()
+    assert embeddings[0].grad[:, :8].abs().sum() > 0  # chunk 0's tokens, two chunks back
+    assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "initial_weights" in n)
+
+
+def test_per_block_chain_changes_what_the_decoder_reads():
+    """Same weights, the two chains: chunk 0's HMM output (read by chunk 1) already differs,
+    since per_block's second L-step reads the first one's write."""
+    per_step, per_block = small_model(), small_model(memory_chain="per_block")
+    per_block.load_state_dict(per_step.state_dict())
+    x = tokens(2, 24)
+    with torch.no_grad():
+        a, b = per_step(x), per_block(x)
+    assert torch.equal(a[:, :8], b[:, :8])  # chunk 0 reads memory_init in both
+    assert not torch.allclose(a[:, 8:16], b[:, 8:16])
+
+
+def test_memory_path_off_reads_memory_init_in_every_chunk():
+    """The control: no information crosses a chunk boundary, and each chunk's logits equal
+    those of the same chunk run alone from a fresh stream."""
+    model = small_model(memory_path=False).eval()
+    x = tokens(2, 24)
+    changed = x.clone()
+    changed[:, 3] += 1
+    with torch.no_grad():
+        out = model(x)
+        assert torch.equal(model(changed)[:, 8:], out[:, 8:])
+        torch.testing.assert_close(out[:, 16:24], model(x[:, 16:24]))
+    assert small_model().cfg.memory_path  # the default reads the memory
