@@ -309,3 +309,19 @@ def test_memory_path_off_reads_memory_init_in_every_chunk():
         assert torch.equal(model(changed)[:, 8:], out[:, 8:])
         torch.testing.assert_close(out[:, 16:24], model(x[:, 16:24]))
     assert small_model().cfg.memory_path  # the default reads the memory
+
+
+def test_section_5_3_ablations_are_named_configs_on_the_1b_token_budget():
+    import train_configs.mela as configs
+    from torchtitan_ext import preflight
+
+    assert {"h_cycles_1", "h_cycles_2", "l_cycles_1", "l_cycles_2", "h_layers_2", "l_layers_2", "l_layers_8",
+            "no_newton_schulz", "no_neural_memory"} <= set(configs.ABLATIONS)
+    for name, (fields, _) in configs.ABLATIONS.items():
+        config = getattr(configs, f"mela_400m_{name}")()
+        model = config.model_spec.model.model
+        assert config.training.steps * config.training.global_batch_size * config.training.seq_len == pytest.approx(
+            1e9, rel=0.001), name
+        assert all(getattr(model, k) == v for k, v in fields.items()), name
+    parsed = preflight.parse(["--module", "train_configs.mela", "--config", "mela_400m_h_cycles_2"])
+    assert parsed.model_spec.model.model.h_cycles == 2 and parsed.model_spec.model.model.l_cycles == 4

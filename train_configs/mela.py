@@ -3,16 +3,17 @@
 `mela_debug` trains in minutes on CPU; `mela_{400m,800m,1b2}` are Table 1 of the paper with
 the section 5.1 recipe (FineWeb-Edu, 4K context, AdamW 0.9/0.95, peak lr 1e-3 / 1e-3 / 8e-4,
 cosine to 10%, 500 warmup steps, weight decay 0.1, clip 1.0, 0.5M-token batches, FSDP2).
-The Table 4 ablations are `MelaConfig` fields (newton_schulz_steps, memstack,
-attention_gating, fusion, memory_attention, neural_memory, h_cycles, l_cycles, h_layers,
-l_layers): `mela_400m_<ablation>` has each Table 4 row; for others (cycles, depths) call
-`torchtitan_ext.mela.model_spec("400m", **fields)` from a config module of your own.
+Section 5.3's ablations (Tables 2, 3 and 4) are `MelaConfig` fields: `mela_400m_<row>` has
+each row of the three tables on the paper's 1B-token budget (`ABLATIONS` lists them; `bash
+scripts/train.sh --list` prints them), `mela_400m_ablation_base` the full model on the same
+budget. Other combinations: `torchtitan_ext.mela.model_spec("400m", **fields)` from a config
+module of your own.
 """
 
 from torchtitan.trainer import Trainer
 
 from torchtitan_ext.mela import model_spec
-from train_configs.recipe import debug_recipe, paper_recipe
+from train_configs.recipe import ABLATION_TRAIN_TOKENS, debug_recipe, paper_recipe
 
 
 def mela_debug() -> Trainer.Config:
@@ -39,41 +40,35 @@ def mela_1b2() -> Trainer.Config:
     return paper_recipe(model_spec("1b2"), name="mela_1b2", lr=8e-4)
 
 
-def _ablation(**fields) -> Trainer.Config:
-    suffix = "_".join(f"{k}-{v}" for k, v in sorted(fields.items()))
-    return paper_recipe(model_spec("400m", **fields), name=f"mela_400m_{suffix}", lr=1e-3)
+def _ablation_config(name: str, fields: dict, doc: str):
+    """A module-level config function `mela_400m_<name>`: the 400m model with `fields`,
+    trained on section 5.3's 1B-token budget."""
+    def config() -> Trainer.Config:
+        return paper_recipe(model_spec("400m", **fields), name=f"mela_400m_{name}", lr=1e-3,
+                            train_tokens=ABLATION_TRAIN_TOKENS)
+
+    config.__name__ = config.__qualname__ = f"mela_400m_{name}"
+    config.__doc__ = f"{doc} ({', '.join(f'{k}={v}' for k, v in fields.items()) or 'the full model'}; 1B tokens)."
+    globals()[config.__name__] = config
 
 
-def mela_400m_no_newton_schulz() -> Trainer.Config:
-    """Table 4 ablation: momentum update without Newton-Schulz."""
-    return _ablation(newton_schulz_steps=0)
-
-
-def mela_400m_no_memstack() -> Trainer.Config:
-    """Table 4 ablation: memory tokens only at the input, no MemStack."""
-    return _ablation(memstack=False)
-
-
-def mela_400m_no_gating() -> Trainer.Config:
-    """Table 4 ablation: plain (ungated) attention in the memory blocks."""
-    return _ablation(attention_gating=False)
-
-
-def mela_400m_fusion_h_only() -> Trainer.Config:
-    """Table 4 ablation: the h state alone as memory output (fusion "None")."""
-    return _ablation(fusion="h_only")
-
-
-def mela_400m_fusion_weighted_sum() -> Trainer.Config:
-    """Table 4 ablation: a learned weighted sum of l and h instead of the fusion MLP."""
-    return _ablation(fusion="weighted_sum")
-
-
-def mela_400m_no_memory_attention() -> Trainer.Config:
-    """Table 4 ablation: memory blocks without attention."""
-    return _ablation(memory_attention=False)
-
-
-def mela_400m_no_neural_memory() -> Trainer.Config:
-    """Table 4 ablation: memory blocks without the neural memory."""
-    return _ablation(neural_memory=False)
+# Section 5.3 (the 400m model, 1B tokens each). Table 2 sweeps H and L cycles over {1, 2, 4}
+# (the other at 4), Table 3 the H- and L-module depths over {2, 8} blocks, Table 4 removes
+# one component per row. `ablation_base` is the full model at the same budget.
+ABLATIONS = {
+    "ablation_base": ({}, "Section 5.3 reference"),
+    **{f"h_cycles_{n}": (dict(h_cycles=n), "Table 2: H cycles") for n in (1, 2, 4)},
+    **{f"l_cycles_{n}": (dict(l_cycles=n), "Table 2: L cycles") for n in (1, 2, 4)},
+    **{f"h_layers_{n}": (dict(h_layers=n), "Table 3: H-module memory blocks") for n in (2, 8)},
+    **{f"l_layers_{n}": (dict(l_layers=n), "Table 3: L-module memory blocks") for n in (2, 8)},
+    "no_newton_schulz": (dict(newton_schulz_steps=0), "Table 4: momentum update without Newton-Schulz"),
+    "no_memstack": (dict(memstack=False), "Table 4: memory tokens only at the input, no MemStack"),
+    "no_gating": (dict(attention_gating=False), "Table 4: plain (ungated) attention in the memory blocks"),
+    "fusion_h_only": (dict(fusion="h_only"), 'Table 4: the h state alone as memory output (fusion "None")'),
+    "fusion_weighted_sum": (dict(fusion="weighted_sum"), "Table 4: a learned weighted sum of l and h"),
+    "no_memory_attention": (dict(memory_attention=False), "Table 4: memory blocks without attention"),
+    "no_neural_memory": (dict(neural_memory=False), "Table 4: memory blocks without the neural memory"),
+    "per_block_chain": (dict(memory_chain="per_block"), "One memory per block across the recursion depth"),
+}
+for _name, (_fields, _doc) in ABLATIONS.items():
+    _ablation_config(_name, _fields, _doc)

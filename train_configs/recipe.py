@@ -28,6 +28,7 @@ from torchtitan_ext.tokenizer import AssetsTokenizer
 PAPER_SEQ_LEN = 4096
 PAPER_GLOBAL_BATCH_TOKENS = 2**19  # 0.5M tokens
 PAPER_TRAIN_TOKENS = 5 * 10**9  # Mela section 5.1: 5B FineWeb-Edu tokens
+ABLATION_TRAIN_TOKENS = 10**9  # Mela section 5.3: every ablation trains on a 1B-token subset
 
 
 def _trainer_config(model_spec: ModelSpec, *, name: str, **fields) -> Trainer.Config:
@@ -45,9 +46,11 @@ def _trainer_config(model_spec: ModelSpec, *, name: str, **fields) -> Trainer.Co
     )
 
 
-def paper_recipe(model_spec: ModelSpec, *, name: str, lr: float = 1e-3, local_batch_size: int = 8) -> Trainer.Config:
+def paper_recipe(model_spec: ModelSpec, *, name: str, lr: float = 1e-3, local_batch_size: int = 8,
+                 train_tokens: int = PAPER_TRAIN_TOKENS) -> Trainer.Config:
+    """Section 5.1's recipe for `train_tokens` tokens (0.5M-token batches of 4K sequences)."""
     global_batch = PAPER_GLOBAL_BATCH_TOKENS // PAPER_SEQ_LEN
-    steps = PAPER_TRAIN_TOKENS // PAPER_GLOBAL_BATCH_TOKENS
+    steps = train_tokens // PAPER_GLOBAL_BATCH_TOKENS
     return _trainer_config(
         model_spec,
         name=name,
