@@ -92,7 +92,8 @@ def mela(cfg: MelaConfig, seq_len: int) -> float:
     diagnostic attention mass of the last 64 queries (forward only); output head. HMM (per
     patch, 1/P per token): patchify, then H cycles of L L-module steps and one H-module step,
     the first H-1 cycles forward only; each module step = input fusion MLP + its blocks
-    (gated attention over the chunk's C patches, neural memory); the output fusions."""
+    (gated attention over the chunk's C patches, neural memory); the output fusions. Both
+    memory chains run the same steps; with `memory_path=False` the HMM does not run."""
     d, m, p, c = cfg.dim, cfg.memory_dim, cfg.patch_size, cfg.chunk_size
     chunk = cfg.chunk_tokens + c
     kv = cfg.n_kv_heads * cfg.head_dim
@@ -116,7 +117,7 @@ def mela(cfg: MelaConfig, seq_len: int) -> float:
     hmm_per_patch = FORWARD_ONLY * (cfg.h_cycles - 1) * cycle + TRAIN * (cycle + fusions * output_fusion)
     hmm_per_patch += TRAIN * linear(m * p, m)  # patchify: a stride-P conv over P tokens
     hmm = hmm_per_patch / p + (TRAIN * linear(d, m) if m != d else 0)
-    return decoder + hmm
+    return decoder + (hmm if cfg.memory_path else 0.0)
 
 
 FAMILIES = {TitansConfig: titans, MLPLMConfig: mlp_lm, MelaConfig: mela}
