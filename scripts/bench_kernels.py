@@ -12,16 +12,13 @@ heads) of 64 x 256 and 256 x 64, 5 Newton-Schulz steps.
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, memory_update, newton_schulz  # noqa: E402
-from torchtitan_ext.cpu import measured_matmul_flops  # noqa: E402
+from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, memory_update, newton_schulz
+from torchtitan_ext.cpu import measured_matmul_flops
 
 BATCH, STEPS = (4, 4), 5
 SHAPES = [(64, 256), (256, 64)]

@@ -17,14 +17,11 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def measure(mode: str, length: int) -> dict:
     """In this process: read `length` tokens in `mode`, return peak RSS (MiB) and seconds."""
-    sys.path.insert(0, str(REPO))
     import torch
 
     from models.mela import Mela

@@ -19,9 +19,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from torchtitan_ext.cpu import measured_matmul_flops  # noqa: E402
+from torchtitan_ext.cpu import measured_matmul_flops
 
 STEP = re.compile(r"step:\s*(\d+)\s+loss:.*?tps:\s*([0-9,]+)\s+tflops:\s*([0-9.]+)")
 

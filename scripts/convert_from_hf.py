@@ -14,11 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_ext.errors import UserError  # noqa: E402
-from torchtitan_ext.hf_export import import_weights  # noqa: E402
-from torchtitan_ext.paths import staged_folder  # noqa: E402
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.hf_export import import_weights
+from torchtitan_ext.paths import staged_folder
 
 
 def write_dcp(state: dict, out: Path) -> None:

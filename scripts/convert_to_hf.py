@@ -12,11 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_ext.checkpoints import model_from_checkpoint  # noqa: E402
-from torchtitan_ext.errors import UserError  # noqa: E402
-from torchtitan_ext.hf_export import export  # noqa: E402
+from torchtitan_ext.checkpoints import model_from_checkpoint
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.hf_export import export
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,11 +41,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_ext.checkpoints import causal_logits, model_from_checkpoint  # noqa: E402
-from torchtitan_ext.errors import UserError  # noqa: E402
-from torchtitan_ext.paths import staged_folder  # noqa: E402
+from torchtitan_ext.checkpoints import causal_logits, model_from_checkpoint
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.paths import staged_folder
 
 MODES = ("full", "streaming", "truncated", "sliding")
 

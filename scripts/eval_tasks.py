@@ -34,12 +34,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval_long_ppl import entry_logits, load_entry, per_checkpoint  # noqa: E402
+from eval_long_ppl import entry_logits, load_entry, per_checkpoint
 
-from torchtitan_ext.errors import UserError  # noqa: E402
-from torchtitan_ext.paths import staged_folder  # noqa: E402
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.paths import staged_folder
 
 SYMBOLS = string.ascii_letters + string.digits  # GradMem's 62-symbol alphabet
 ADJECTIVES = ["amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen", "lucid",

@@ -15,17 +15,15 @@ and reports the needle accuracy on held-out sequences (chance 1/16).
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.neural_memory import NeuralMemoryConfig  # noqa: E402
-from models.titans import TitansConfig, TitansLM  # noqa: E402
+from models.neural_memory import NeuralMemoryConfig
+from models.titans import TitansConfig, TitansLM
 
 VALUES, FILLER = 16, 32
 BOS, QUERY = VALUES + FILLER, VALUES + FILLER + 1

@@ -3,18 +3,15 @@
     python scripts/param_counts.py
 """
 
-import sys
 from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.mela import Mela, parameter_groups  # noqa: E402
-from models.titans import VARIANTS  # noqa: E402
-from torchtitan_ext import mela, mlp_lm, titans, transformer  # noqa: E402
+from models.mela import Mela, parameter_groups
+from models.titans import VARIANTS
+from torchtitan_ext import mela, mlp_lm, titans, transformer
 
 FAMILIES = {"transformer": transformer, "mlp_lm": mlp_lm, "mela": mela} | {
     f"titans_{v}": SimpleNamespace(FLAVORS=titans.FLAVORS, model_spec=partial(titans.model_spec, v)) for v in VARIANTS

@@ -20,9 +20,6 @@ PY=.venv/bin/python
 
 if [ "${1:-}" = "--list" ]; then exec "$PY" -m torchtitan_ext.catalogue; fi
 
-# Bad input ends here with one line and exit code 2, before torchrun starts.
-"$PY" -m torchtitan_ext.preflight "$@"
-
 if [ -z "${WANDB_MODE:-}" ] && [ -z "${WANDB_API_KEY:-}" ]; then export WANDB_MODE=offline; fi
 export WANDB_DIR=${WANDB_DIR:-outputs}
 mkdir -p "$WANDB_DIR"
@@ -32,6 +29,8 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
   [ "$NPROC_PER_NODE" -gt 0 ] || NPROC_PER_NODE=1
 fi
 NNODES=${NNODES:-1}
+# Bad input ends here with one line and exit code 2, before torchrun starts.
+WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) "$PY" -m torchtitan_ext.preflight "$@"
 LOG_DIR=${LOG_DIR:-outputs/logs/$(date +%Y%m%d-%H%M%S)-$$}
 mkdir -p "$LOG_DIR"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
-from build_tokenizer import build  # noqa: E402
+from torchtitan_ext.default_tokenizer import build  # noqa: E402
 
 from torchtitan_ext.paths import default_tokenizer_dir  # noqa: E402
 

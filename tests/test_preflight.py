@@ -80,3 +80,49 @@ def test_config_module_with_a_missing_dependency_names_the_dependency(tmp_path, 
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UserError, match="No module named 'no_such_dependency_x'"):
         preflight.parse(["--module", "configs_needing_x", "--config", "anything"])
+
+
+PAPER_CONFIGS = [("train_configs.transformer", "transformer_400m"), ("train_configs.mela", "mela_400m"),
+                 ("train_configs.titans", "titans_mac_400m")]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8, 32, 64, 128])
+@pytest.mark.parametrize("module,config", PAPER_CONFIGS, ids=[c for _, c in PAPER_CONFIGS])
+def test_paper_recipes_keep_the_global_batch_on_any_rank_count_dividing_it(module, config, ranks):
+    """0.5M tokens = 128 sequences of 4096 per step on 1 to 128 ranks: the recipe's local
+    batch (a ceiling of 8) is lowered to fit, torchtitan accumulates the rest."""
+    parsed = preflight.parse(["--module", module, "--config", config])
+    local = preflight.fitted_local_batch(parsed, ranks, explicit=False)
+    assert parsed.training.global_batch_size * parsed.training.seq_len == 2**19
+    accumulation, remainder = divmod(parsed.training.global_batch_size, local * ranks)
+    assert remainder == 0 and accumulation >= 1 and local == min(8, 128 // ranks)
+
+
+def test_batch_arithmetic_that_cannot_work_is_one_clear_error():
+    parsed = preflight.parse(["--module", "train_configs.mela", "--config", "mela_400m"])
+    with pytest.raises(UserError, match="does not split over 3 data-parallel ranks"):
+        preflight.fitted_local_batch(parsed, 3, explicit=False)
+    parsed = preflight.parse(["--module", "train_configs.mela", "--config", "mela_400m",
+                              "--training.local_batch_size", "3"])
+    with pytest.raises(UserError, match="local_batch_size 3 does not divide the 64 sequences per rank"):
+        preflight.fitted_local_batch(parsed, 2, explicit=True)
+    parsed = preflight.parse(["--module", "train_configs.mela", "--config", "mela_400m",
+                              "--parallelism.tensor_parallel_degree", "4"])
+    with pytest.raises(UserError, match="6 ranks do not split into tensor x pipeline x context parallel degree 4"):
+        preflight.fitted_local_batch(parsed, 6, explicit=False)
+    assert preflight.batch_degree(parsed, 32) == 8
+
+
+def test_the_offline_default_tokenizer_is_built_on_first_use(tmp_path, monkeypatch):
+    """A fresh clone trains with no separate build step: preflight trains the default
+    tokenizer when the config points at its (missing) folder, and only that folder."""
+    import torchtitan_ext.paths as paths
+
+    folder = tmp_path / "default-tokenizer"
+    monkeypatch.setattr(paths, "default_tokenizer_dir", lambda: folder)
+    config = preflight.parse(DEBUG + ["--hf_assets_path", str(folder), "--dump_folder", str(tmp_path / "run")])
+    preflight.check_tokenizer(config)
+    assert (folder / "tokenizer.model").is_file()
+    config = preflight.parse(DEBUG + ["--hf_assets_path", str(tmp_path / "other"), "--dump_folder", str(tmp_path / "run")])
+    with pytest.raises(UserError, match="no tokenizer.model or tokenizer.json"):
+        preflight.check_tokenizer(config)

@@ -37,8 +37,10 @@ def test_one_and_two_processes_give_the_same_losses(family, tokenizer_dir, tmp_p
     batch = ["--training.global_batch_size", "4"]
     wandb = ["--metrics.enable-wandb"] if family in MEMORY_DIAGNOSTICS else []
     single = train(CONFIGS[family] + SHORT + batch + wandb + ["--dump_folder", str(one)])
-    double = train(CONFIGS[family] + SHORT + batch + ["--dump_folder", str(two), "--training.local_batch_size", "2"], nproc=2)
+    # The recipe's local batch of 4 is fitted to the global batch on 2 ranks (2 each), no flag.
+    double = train(CONFIGS[family] + SHORT + batch + ["--dump_folder", str(two)], nproc=2)
     assert single.returncode == 0 and double.returncode == 0, (single, double)
+    assert "local batch 4 -> 2 sequences to fit the global batch of 4 on 2 ranks" in double.output
     assert relative_gap(single.losses, double.losses) < 1e-3
     assert single.losses[10] < single.losses[1] - 1.0  # and it learns
     if family in MEMORY_DIAGNOSTICS:  # the memory diagnostics reach the console and wandb

@@ -67,6 +67,49 @@ def check_seq_len(config) -> None:
         )
 
 
+def world_size() -> int:
+    """Processes of the run: torchrun's WORLD_SIZE (the launcher sets it for its own preflight)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def batch_degree(config, world: int) -> int:
+    """Data-parallel degree (replicate x shard) of `world` ranks under the config's parallelism."""
+    p = config.parallelism
+    other = p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree
+    if world % other:
+        raise UserError(f"{world} ranks do not split into tensor x pipeline x context parallel degree {other}: "
+                        "use a multiple of it")
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if (world // other) % p.data_parallel_replicate_degree:
+            raise UserError(f"{world // other} data-parallel ranks do not split into replicate degree "
+                            f"{p.data_parallel_replicate_degree}: pass --parallelism.data_parallel_replicate_degree "
+                            "dividing them")
+        shard = world // other // p.data_parallel_replicate_degree
+    return p.data_parallel_replicate_degree * shard
+
+
+def fitted_local_batch(config, world: int, explicit: bool) -> int:
+    """The local batch (sequences per rank per micro-step) for `world` ranks. The global batch
+    is the fixed quantity: a recipe's local batch is a ceiling, lowered to the largest size
+    that divides the global batch per data-parallel rank (torchtitan then accumulates the
+    rest). An `explicit` (user-passed) local batch is kept and must fit."""
+    training, degree = config.training, batch_degree(config, world)
+    if training.global_batch_size < 0:
+        return training.local_batch_size
+    per_rank, remainder = divmod(training.global_batch_size, degree)
+    if remainder or not per_rank:
+        raise UserError(f"global batch {training.global_batch_size} sequences does not split over {degree} data-parallel "
+                        f"ranks: use a rank count dividing it, or pass --training.global_batch_size <multiple of {degree}>")
+    if explicit:
+        if per_rank % training.local_batch_size:
+            raise UserError(f"--training.local_batch_size {training.local_batch_size} does not divide the "
+                            f"{per_rank} sequences per rank ({training.global_batch_size} over {degree} ranks): "
+                            "pass a divisor of it, or leave it out to fit it automatically")
+        return training.local_batch_size
+    return max(n for n in range(1, min(training.local_batch_size, per_rank) + 1) if per_rank % n == 0)
+
+
 def check_dump_folder(folder: str) -> None:
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
@@ -94,7 +137,12 @@ def check_dataset(dataloader_config, flag: str) -> None:
 
 
 def check_tokenizer(config) -> None:
+    from torchtitan_ext import default_tokenizer
+    from torchtitan_ext.paths import default_tokenizer_dir
     from torchtitan_ext.tokenizer import AssetsTokenizer
+
+    if Path(config.hf_assets_path).resolve() == default_tokenizer_dir().resolve():
+        default_tokenizer.build(Path(config.hf_assets_path))  # the offline default: trained once, on first use
 
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=config.hf_assets_path)
     vocab = config.model_spec.model.vocab_size
@@ -105,7 +153,10 @@ def check_tokenizer(config) -> None:
         )
 
 
-def check(config) -> None:
+def check(config, world: int | None = None, explicit_local_batch: bool = False) -> None:
+    """Raise a one-line UserError for the first problem of `config` run on `world` ranks
+    (default: `world_size()`)."""
+    fitted_local_batch(config, world_size() if world is None else world, explicit_local_batch)
     check_seq_len(config)
     check_dump_folder(config.dump_folder)
     check_dataset(config.dataloader, "dataloader")
@@ -124,8 +175,9 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.disable(logging.WARNING)  # the check speaks in one line; torchtitan's config warnings wait for the run
     cpu.apply()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        check(parse(sys.argv[1:] if argv is None else argv))
+        check(parse(argv), explicit_local_batch=option_value(argv, "--training.local_batch_size") is not None)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -3,7 +3,9 @@
 Runs torchtitan 0.3.0's own `torchtitan.train.main` after
 1. the CPU support (only without an accelerator) and the torch 2.13 `set_timeout` alias,
 2. a preflight check of the parsed config (`preflight.py`), so that bad input ends
-   with one line naming the problem and the fix, and exit code 2, before any work.
+   with one line naming the problem and the fix, and exit code 2, before any work,
+3. fitting the local batch to the data-parallel degree (`preflight.fitted_local_batch`:
+   the global batch is fixed, gradient accumulation makes up the rest).
 A non-finite loss stops training with exit code 3; checkpoints already written stay
 valid (torchtitan saves after a completed step, and a DCP step folder without its
 `.metadata` is never loaded).
@@ -37,10 +39,18 @@ def main(argv: list[str] | None = None) -> None:
     cpu.apply()
     from torchtitan_ext import preflight
 
+    explicit = preflight.option_value(argv, "--training.local_batch_size") is not None
     try:
-        preflight.check(preflight.parse(argv))
+        config = preflight.parse(argv)
+        preflight.check(config, explicit_local_batch=explicit)
+        local_batch = preflight.fitted_local_batch(config, preflight.world_size(), explicit)
     except UserError as e:
         _fail(str(e), EXIT_USER_ERROR)
+    if local_batch != config.training.local_batch_size:
+        if _rank() == 0:
+            print(f"train: local batch {config.training.local_batch_size} -> {local_batch} sequences to fit the global "
+                  f"batch of {config.training.global_batch_size} on {preflight.world_size()} ranks", flush=True)
+        argv = [*argv, "--training.local_batch_size", str(local_batch)]
 
     import torchtitan.train
 
