@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import train
 from torchtitan_ext.checkpoints import build_model, causal_logits, load_dcp_model
+from torchtitan_ext.transformer import FLAVORS
 
 FAMILIES = {
     "transformer": "train_configs.transformer:transformer_small",
@@ -30,15 +31,18 @@ NEW_TOKENS = 32
 LOAD_IN_PLAIN_TRANSFORMERS = """
 import json, sys
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 folder, inputs, out = sys.argv[1:]
+config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+fields = {k: getattr(config, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
 x = torch.load(inputs)
 with torch.no_grad():
     logits = model(x).logits
     generated = model.generate(x[:, :24], max_new_tokens=32, do_sample=False, min_new_tokens=32)
 project = [m for m in sys.modules if m.split(".")[0] in ("models", "kernels", "torchtitan", "torchtitan_ext")]
-torch.save({"logits": logits, "generated": generated, "class": type(model).__name__, "project": project}, out)
+torch.save({"logits": logits, "generated": generated, "class": type(model).__name__, "project": project,
+            "config": fields}, out)
 """
 
 
@@ -95,6 +99,8 @@ def test_export_matches_native_and_round_trips_bit_for_bit(family, tokenizer_dir
     torch.save(x, tmp_path / "x.pt")
     hf = load_without_project(tmp_path / "hf", tmp_path / "x.pt", tmp_path)
     assert hf["project"] == []
+    shape = model.cfg if family != "transformer" else FLAVORS["small"]  # AutoConfig's standard fields
+    assert hf["config"] == {"vocab_size": shape.vocab_size, "hidden_size": shape.dim, "num_hidden_layers": shape.n_layers}
     assert hf["class"] == ("LlamaForCausalLM" if family == "transformer" else "MemoryLMForCausalLM")
     with torch.no_grad():
         assert (hf["logits"] - causal_logits(model, x)).abs().max() < 1e-4
