@@ -21,7 +21,14 @@ Modes (one per checkpoint, or one for all):
 
 Datasets: `embedded` (held-out split of the embedded corpus), `fineweb_edu` (its held-out
 split, streamed), `pg19` (`deepmind/pg19` test split, streamed), or a local
-.txt/.jsonl/.parquet file or folder (all documents).
+.txt/.jsonl/.parquet file or folder: its held-out split (the documents training's
+`local` dataset never reads: the same hash split as its validation), or with `--split all`
+every document (for a file held out by hand). The results state which.
+
+Checkpoints: a DCP step folder, or a Hugging Face export folder (`scripts/convert_to_hf.py`;
+recognised by its config.json), with the `--config` it was trained with. `--device` (default
+cuda when present) and `--dtype` (default bfloat16 on cuda, float32 on cpu) place the model;
+the memories' fast-weight state stays float32 either way.
 
 Writes results.json, results.md and perplexity_vs_context.png to --out, through a temporary
 folder moved into place at the end (nothing half-written on failure). Bad input (a checkpoint
@@ -41,9 +48,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
 from torchtitan_ext.checkpoints import causal_logits, model_from_checkpoint
 from torchtitan_ext.errors import UserError
+from torchtitan_ext.hf_export import import_weights
 from torchtitan_ext.paths import staged_folder
 
 MODES = ("full", "streaming", "truncated", "sliding")
@@ -62,12 +69,17 @@ class Entry:
 
 
 def load_entry(checkpoint: str, config: str, mode: str, label: str | None, window: int | None,
-               segment: int | None) -> tuple[Entry, str]:
-    """(Entry, tokenizer folder) for a DCP step folder trained with `module:function`."""
+               segment: int | None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Entry, str]:
+    """(Entry, tokenizer folder) for a DCP step folder or Hugging Face export trained with
+    `module:function`, its model on `device` in `dtype`."""
     module, _, function = config.partition(":")
     if not function:
         raise UserError(f"--config '{config}' must be <module>:<function>, e.g. train_configs.mela:mela_debug")
-    model, trainer_config = model_from_checkpoint(module, function, checkpoint)
+    if (Path(checkpoint) / "config.json").is_file():
+        model, trainer_config = import_weights(module, function, Path(checkpoint))
+    else:
+        model, trainer_config = model_from_checkpoint(module, function, checkpoint)
+    model = model.to(device, dtype)
     if mode == "streaming":
         if not hasattr(model, "stream"):
             raise UserError(f"{function} has no memory state to stream: use --mode full, truncated or sliding")
@@ -86,8 +98,8 @@ def check_context(entry: Entry, length: int) -> None:
                         f"asked {length}: use --mode truncated or sliding, or shorter --context-lengths")
 
 
-def documents(dataset: str):
-    """Iterate the dataset's texts (see the module docstring)."""
+def documents(dataset: str, split: str = "heldout"):
+    """Iterate the dataset's texts (see the module docstring); `split` applies to local data."""
     from torchtitan_ext import datasets
 
     if dataset == "embedded":
@@ -99,16 +111,17 @@ def documents(dataset: str):
 
         yield from (s["text"] for s in load_dataset("deepmind/pg19", split="test", streaming=True))
     else:
-        yield from datasets.load_local(dataset, validation=False, per_mille=0)["text"]
+        held_out = split == "heldout"
+        yield from datasets.load_local(dataset, validation=held_out, **({} if held_out else {"per_mille": 0}))["text"]
 
 
-def long_documents(dataset: str, tokenizer, min_tokens: int, max_docs: int) -> list[list[int]]:
+def long_documents(dataset: str, tokenizer, min_tokens: int, max_docs: int, split: str = "heldout") -> list[list[int]]:
     """Token ids (BOS first) of the first `max_docs` documents of at least `min_tokens` tokens."""
     from tqdm import tqdm
 
     found = []
     with tqdm(desc=f"documents >= {min_tokens} tokens", total=max_docs, file=sys.stderr) as bar:
-        for text in documents(dataset):
+        for text in documents(dataset, split):
             ids = tokenizer.encode(text, add_bos=True, add_eos=False)
             if len(ids) >= min_tokens:
                 found.append(ids)
@@ -161,9 +174,9 @@ def evaluate(entry: Entry, docs: list[list[int]], length: int, bucket: int, batc
     from tqdm import tqdm
 
     check_context(entry, length)
-    rows = torch.tensor([d[:length] for d in docs])
+    rows = torch.tensor([d[:length] for d in docs], device=next(entry.model.parameters()).device)
     with torch.no_grad():
-        nll = torch.cat([token_nll(entry, rows[i : i + batch]) for i in
+        nll = torch.cat([token_nll(entry, rows[i : i + batch]).float().cpu() for i in
                          tqdm(range(0, len(rows), batch), desc=f"{entry.label} @ {length}", file=sys.stderr)])
     positions = torch.arange(1, length)
     buckets = []
@@ -176,7 +189,9 @@ def evaluate(entry: Entry, docs: list[list[int]], length: int, bucket: int, batc
 
 def markdown(results: dict) -> str:
     lengths = results["context_lengths"]
-    lines = [f"Perplexity on `{Path(results['dataset']).name}` (documents of at least the context length, first L tokens).", "",
+    lines = [f"Perplexity on `{Path(results['dataset']).name}`, {results.get('split', 'held-out split')} (documents of at "
+             f"least the context length, first L tokens; {results.get('device', 'cpu')}, "
+             f"{results.get('dtype', 'float32')}).", "",
              "| model | mode | " + " | ".join(str(n) for n in lengths) + " |",
              "| --- | --- | " + " | ".join("---" for _ in lengths) + " |"]
     for run in results["runs"]:
@@ -222,6 +237,9 @@ def write_outputs(results: dict, out: Path) -> None:
         plot(results, staging / "perplexity_vs_context.png")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
 def per_checkpoint(values: list | None, count: int, name: str, default=None) -> list:
     values = values or [default]
     if len(values) == 1:
@@ -239,7 +257,7 @@ def run(args: argparse.Namespace) -> dict:
     modes = per_checkpoint(args.mode, count, "--mode", "full")
     labels = per_checkpoint(args.label, count, "--label")
     lengths = sorted(int(n) for n in args.context_lengths.split(","))
-    entries, tokenizer_dirs = zip(*(load_entry(c, cfg, m, lab, args.window, args.segment)
+    entries, tokenizer_dirs = zip(*(load_entry(c, cfg, m, lab, args.window, args.segment, args.device, args.dtype)
                                     for c, cfg, m, lab in zip(args.checkpoint, configs, modes, labels)))
     if len(set(tokenizer_dirs)) > 1:
         raise UserError(f"the checkpoints use different tokenizers ({sorted(set(tokenizer_dirs))}): evaluate them separately")
@@ -247,14 +265,25 @@ def run(args: argparse.Namespace) -> dict:
         for length in lengths:
             check_context(entry, length)
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=tokenizer_dirs[0])
-    docs = long_documents(args.dataset, tokenizer, lengths[-1], args.max_docs)
+    docs = long_documents(args.dataset, tokenizer, lengths[-1], args.max_docs, args.split)
     if not docs:
         raise UserError(f"no document of at least {lengths[-1]} tokens in '{args.dataset}': use shorter "
                         "--context-lengths or a dataset of longer documents")
     runs = [{"label": e.label, "checkpoint": str(c), "mode": e.mode,
              "results": {str(n): evaluate(e, docs, n, args.bucket, args.batch_size) for n in lengths}}
             for e, c in zip(entries, args.checkpoint)]
-    return {"dataset": args.dataset, "context_lengths": lengths, "documents": len(docs), "runs": runs}
+    return {"dataset": args.dataset, "split": dataset_split(args.dataset, args.split), "device": args.device,
+            "dtype": str(args.dtype).removeprefix("torch."), "context_lengths": lengths, "documents": len(docs),
+            "runs": runs}
+
+
+def dataset_split(dataset: str, split: str) -> str:
+    """Which documents of `dataset` were scored, in words (written into the results)."""
+    if dataset in ("embedded", "fineweb_edu"):
+        return "held-out split (never read by training)"
+    if dataset == "pg19":
+        return "test split"
+    return "held-out split (never read by training)" if split == "heldout" else "every document (--split all)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -271,7 +300,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--window", type=int, help="truncated/sliding span (default: the training seq_len)")
     parser.add_argument("--segment", type=int, help="streaming segment (default: the model's stream unit, at least 64 tokens)")
-    return parser.parse_args(argv)
+    parser.add_argument("--split", choices=("heldout", "all"), default="heldout",
+                        help="local datasets: the held-out split training never reads, or every document")
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16" if cuda else "float32")
+    args = parser.parse_args(argv)
+    args.dtype = DTYPES[args.dtype]
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

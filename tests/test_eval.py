@@ -54,7 +54,7 @@ def test_writes_json_table_and_plot_and_streaming_equals_one_pass(checkpoints, l
     run = eval_cli("--checkpoint", checkpoints[MELA], "--config", MELA, "--mode", "full",
                    "--checkpoint", checkpoints[MELA], "--config", MELA, "--mode", "streaming",
                    "--checkpoint", checkpoints[TRANSFORMER], "--config", TRANSFORMER, "--mode", "sliding", "--window", "128",
-                   "--context-lengths", "128,512", "--dataset", long_docs, "--bucket", "128", "--out", out)
+                   "--context-lengths", "128,512", "--dataset", long_docs, "--split", "all", "--bucket", "128", "--out", out)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     full, streaming, sliding = results["runs"]
@@ -102,8 +102,39 @@ def test_bad_input_one_line_exit_2_nothing_written(case, message, checkpoints, l
         "no_long_document": ["--checkpoint", checkpoints[MELA], "--config", MELA, "--context-lengths", "4096"],
     }[case]
     run = subprocess.run([sys.executable, str(REPO / "scripts" / "eval_long_ppl.py"), *map(str, args), "--dataset",
-                          str(long_docs), "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                          str(long_docs), "--split", "all", "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
                          timeout=600, env={**__import__("os").environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert run.returncode == 2, run.stderr[-2000:]
     assert message in run.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_hugging_face_export_evaluates_exactly_as_its_dcp_checkpoint(checkpoints, long_docs, tmp_path):
+    from torchtitan_ext.checkpoints import model_from_checkpoint
+    from torchtitan_ext.hf_export import export
+
+    model, trainer_config = model_from_checkpoint(*MELA.split(":"), checkpoints[MELA])
+    export(model, trainer_config, tmp_path / "hf")
+    common = ["--config", MELA, "--mode", "streaming", "--context-lengths", "128,256", "--dataset", long_docs,
+              "--split", "all", "--device", "cpu", "--dtype", "float32"]
+    for name, source in (("dcp", checkpoints[MELA]), ("hf", tmp_path / "hf")):
+        run = eval_cli("--checkpoint", source, *common, "--out", tmp_path / name)
+        assert run.returncode == 0, run.stderr[-3000:]
+    dcp_runs, hf_runs = (json.loads((tmp_path / n / "results.json").read_text())["runs"] for n in ("dcp", "hf"))
+    assert [r["results"] for r in dcp_runs] == [r["results"] for r in hf_runs]
+
+
+def test_local_evaluation_reads_only_documents_training_never_reads(tmp_path):
+    """The held-out split of a local dataset is the validation hash split: disjoint from the
+    documents the `local` training dataset yields, and what the results name."""
+    from eval_long_ppl import dataset_split, documents
+
+    from torchtitan_ext import datasets
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(600)))
+    held_out = set(documents(str(path)))
+    trained = set(datasets.load_local(str(path), validation=False)["text"])
+    assert held_out and not held_out & trained and len(held_out) + len(trained) == 600
+    assert set(documents(str(path), "all")) == held_out | trained
+    assert "never read by training" in dataset_split(str(path), "heldout")

@@ -87,6 +87,6 @@ def model_from_checkpoint(module: str, function: str, step_dir: str | Path):
 def causal_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """tokens (B, L), one document per row -> logits (B, L, vocab)."""
     if hasattr(model, "get_attention_masks"):
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return model(tokens, attention_masks=model.get_attention_masks(positions))
     return model(tokens)
