@@ -23,8 +23,6 @@ the CPU instead, as the tests do).
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,11 +31,10 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.paths import default_tokenizer_dir
+from torchtitan_ext.run_log import last_line, parse_steps
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH = 256, 128
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf).*?tps:\s*([0-9,]+).*?mfu:\s*([0-9.]+%|N/A)")
 
 
 @dataclass
@@ -65,15 +62,6 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) 
         return Result(name, False, "non-finite values")
     error = relative_error(got, want)
     return Result(name, error <= tolerance, f"relative error {error:.2e} (tolerance {tolerance:.0e})")
-
-
-def parse_log(text: str) -> dict[int, dict[str, float]]:
-    """torchtitan's step lines -> {step: {loss, tps, mfu (percent, nan when N/A)}}."""
-    steps = {}
-    for step, loss, tps, mfu in STEP_LINE.findall(ANSI.sub("", text)):
-        steps[int(step)] = {"loss": float(loss), "tps": float(tps.replace(",", "")),
-                            "mfu": float(mfu[:-1]) if mfu.endswith("%") else math.nan}
-    return steps
 
 
 # ---- model families -------------------------------------------------------------------
@@ -204,12 +192,6 @@ DEBUG_CONFIGS = {"transformer_debug": "train_configs.transformer", "mlp_lm_debug
     f"titans_{v}_debug": "train_configs.titans" for v in ("mac", "mag", "mal", "lmm")}
 
 
-def last_line(text: str) -> str:
-    """The last non-empty line of a run's output (its error, when it failed)."""
-    lines = [line for line in ANSI.sub("", text).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "(no output)"
-
-
 def train_run(module: str, config: str, extra: list[str]) -> tuple[int, dict, str]:
     """(exit code, parsed step metrics, last output line) of one run through scripts/train.sh."""
     args = ["bash", str(REPO / "scripts" / "train.sh"), "--module", module, "--config", config,
@@ -217,7 +199,7 @@ def train_run(module: str, config: str, extra: list[str]) -> tuple[int, dict, st
             "--checkpoint.no-enable", "--dump_folder", str(REPO / "outputs" / "gpu_check" / config), *extra]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
-    return proc.returncode, parse_log(output), last_line(output)
+    return proc.returncode, parse_steps(output), last_line(output)
 
 
 def loss_falls(name: str, returncode: int, steps: dict, last: str) -> Result:

@@ -1,27 +1,30 @@
-"""Summarise a training log: first and last loss, throughput, and the latest checkpoint.
+"""One line for a training run: loss fall, median throughput, latest checkpoint.
 
-    python scripts/summarize_run.py LOG DUMP_FOLDER
+    python scripts/summarize_run.py NAME LOG DUMP_FOLDER
+Exit 1 (and the log's last line) when the log holds no training step.
 """
 
-import re
 import sys
 from pathlib import Path
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+).*?tps:\s*([0-9,]+)")
+from torchtitan_ext.run_log import last_line, parse_steps
 
 
-def main() -> None:
-    log, dump = Path(sys.argv[1]), Path(sys.argv[2])
-    steps = [(int(s), float(loss), int(tps.replace(",", ""))) for s, loss, tps in STEP.findall(ANSI.sub("", log.read_text()))]
+def summary(name: str, log: Path, dump: Path) -> str:
+    text = log.read_text()
+    steps = parse_steps(text)
     if not steps:
-        sys.exit(f"error: no training steps found in {log}")
-    (s0, l0, _), (s1, l1, _) = steps[0], steps[-1]
-    tps = sorted(t for _, _, t in steps[1:]) or [steps[0][2]]
+        raise SystemExit(f"error: {name}: no training step in {log}: {last_line(text)}")
+    first, last = min(steps), max(steps)
+    tps = sorted(s["tps"] for n, s in steps.items() if n != first and "tps" in s) or [steps[first].get("tps", 0.0)]
     checkpoints = sorted((dump / "checkpoint").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    print(f"loss: step {s0} {l0:.3f} -> step {s1} {l1:.3f} ({l0 - l1:+.3f} nats fall)")
-    print(f"throughput: median {tps[len(tps) // 2]:,} tokens/s")
-    print(f"checkpoint: {checkpoints[-1] if checkpoints else 'none written'}")
+    return (f"{name}: loss {steps[first]['loss']:.3f} -> {steps[last]['loss']:.3f} (steps {first}-{last}), "
+            f"{tps[len(tps) // 2]:,.0f} tokens/s, checkpoint {checkpoints[-1] if checkpoints else 'none written'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    name, log, dump = argv or sys.argv[1:]
+    print(summary(name, Path(log), Path(dump)))
 
 
 if __name__ == "__main__":

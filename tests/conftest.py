@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 from pathlib import Path
 
@@ -20,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 from torchtitan_ext.default_tokenizer import build  # noqa: E402
 
 from torchtitan_ext.paths import default_tokenizer_dir  # noqa: E402
+from torchtitan_ext.run_log import parse_steps  # noqa: E402
 
-LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf)")
 QUIET = ["--metrics.no-enable-wandb", "--metrics.log_freq", "1", "--metrics.disable_color_printing"]
 
 
@@ -35,7 +34,7 @@ class Run:
     def __init__(self, proc: subprocess.CompletedProcess):
         self.returncode = proc.returncode
         self.output = proc.stdout + proc.stderr
-        self.losses = {int(s): float(v) for s, v in LOSS_LINE.findall(self.output)}
+        self.losses = {step: entry["loss"] for step, entry in parse_steps(self.output).items()}
 
     def __repr__(self) -> str:
         return f"Run(rc={self.returncode}, tail={self.output[-3000:]!r})"

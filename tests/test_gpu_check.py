@@ -10,6 +10,7 @@ import torch
 
 import gpu_check
 from conftest import REPO
+from torchtitan_ext.run_log import last_line, parse_steps
 
 SAMPLE_LOG = ("[titan] 2026-11-22 10:00:09,067 - root - INFO - \x1b[31mstep:  3  \x1b[32mloss:  7.12345  "
               "\x1b[33mgrad_norm:  1.2000  \x1b[34mmemory:  1.20GiB(2.00%)  \x1b[34mtps: 12,345  "
@@ -42,14 +43,14 @@ def test_compare_passes_agreement_and_fails_errors():
     assert not gpu_check.compare("nan", torch.full_like(want, float("nan")), want, 1e-3).ok
 
 
-def test_parse_log_reads_loss_throughput_and_mfu():
-    steps = gpu_check.parse_log(SAMPLE_LOG)
+def test_step_lines_give_loss_throughput_and_mfu():
+    steps = parse_steps(SAMPLE_LOG)
     assert steps[3] == {"loss": 7.12345, "tps": 12345.0, "mfu": 41.5}
     assert steps[4]["tps"] == 999.0 and steps[4]["mfu"] != steps[4]["mfu"]  # N/A -> nan
     assert gpu_check.loss_falls("run", 0, steps, "").ok
     assert not gpu_check.loss_falls("run", 0, {1: {"loss": 5.0}, 2: {"loss": 6.0}}, "").ok
     assert "Error: boom" in gpu_check.loss_falls("run", 1, steps, "Error: boom").detail
-    assert gpu_check.last_line("step 1\n\x1b[31mError: boom\x1b[0m\n\n") == "Error: boom"
+    assert last_line("step 1\n\x1b[31mError: boom\x1b[0m\n\n") == "Error: boom"
 
 
 def test_family_check_runs_on_the_cpu():

@@ -1,0 +1,27 @@
+"""The step-line parser shared by the demo, gpu_check and the tests; the demo's summary line."""
+
+from __future__ import annotations
+
+import pytest
+
+from summarize_run import summary
+
+LOG = ("[titan] \x1b[31mstep:  1  \x1b[32mloss:  8.50000  grad_norm: 1.0  tps: 1,000  mfu: N/A\x1b[39m\n"
+       "[titan] step:  2  loss:  7.25000  grad_norm: 1.0  tps: 3,000  mfu: 1.50%\n"
+       "[titan] step:  3  loss:  6.00000  grad_norm: 1.0  tps: 2,000  mfu: 1.40%\n")
+
+
+def test_summary_is_one_line_with_loss_fall_throughput_and_checkpoint(tmp_path):
+    (tmp_path / "run.log").write_text(LOG)
+    (tmp_path / "dump" / "checkpoint" / "step-3").mkdir(parents=True)
+    (tmp_path / "dump" / "checkpoint" / "step-10").mkdir()
+    line = summary("toy_debug", tmp_path / "run.log", tmp_path / "dump")
+    assert "\n" not in line
+    assert line.startswith("toy_debug: loss 8.500 -> 6.000 (steps 1-3), 3,000 tokens/s")  # median of steps 2-3
+    assert line.endswith("step-10")
+
+
+def test_a_log_without_steps_names_its_last_line(tmp_path):
+    (tmp_path / "run.log").write_text("starting\nerror: dataset path 'x' does not exist\n\n")
+    with pytest.raises(SystemExit, match="toy_debug: no training step .* dataset path 'x' does not exist"):
+        summary("toy_debug", tmp_path / "run.log", tmp_path)

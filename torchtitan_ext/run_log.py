@@ -1,0 +1,33 @@
+"""Read torchtitan's console step lines (one parser for the demo, gpu_check and the tests)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf)")
+TPS = re.compile(r"tps:\s*([0-9,]+)")
+MFU = re.compile(r"mfu:\s*([0-9.]+%|N/A)")
+
+
+def parse_steps(text: str) -> dict[int, dict[str, float]]:
+    """Log text -> {step: {"loss", and "tps", "mfu" (percent; nan when N/A) where logged}}."""
+    steps = {}
+    for line in ANSI.sub("", text).splitlines():
+        match = STEP.search(line)
+        if not match:
+            continue
+        entry = {"loss": float(match.group(2))}
+        if tps := TPS.search(line):
+            entry["tps"] = float(tps.group(1).replace(",", ""))
+        if mfu := MFU.search(line):
+            entry["mfu"] = float(mfu.group(1)[:-1]) if mfu.group(1).endswith("%") else math.nan
+        steps[int(match.group(1))] = entry
+    return steps
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a run's output (its error, when it failed)."""
+    lines = [line for line in ANSI.sub("", text).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
