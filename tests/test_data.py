@@ -159,3 +159,36 @@ def test_local_source_rejects_missing_and_mixed_paths(tmp_path):
     (tmp_path / "b.jsonl").write_text("{}")
     with pytest.raises(UserError, match="one kind"):
         datasets.load_local(str(tmp_path))
+
+
+def test_fineweb_edu_download_takes_the_subsets_first_shards_resumes_and_trains_locally(tmp_path):
+    from pathlib import Path
+
+    from download_fineweb_edu import download
+
+    class FakeHub:
+        files = ["README.md", "sample/10BT/001_00000.parquet", "sample/10BT/000_00000.parquet",
+                 "sample/100BT/000_00000.parquet", "data/CC-MAIN-2024-10/000_00000.parquet"]
+
+        def list_repo_files(self, repo, repo_type):
+            assert (repo, repo_type) == ("HuggingFaceFW/fineweb-edu", "dataset")
+            return self.files
+
+    fetched = []
+
+    def fetch(repo, name, repo_type, local_dir):
+        fetched.append(name)
+        target = Path(local_dir) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"text": [f"{name} document {i}" for i in range(300)]}), target)
+
+    paths = download(tmp_path / "fw", "sample-10BT", 2, FakeHub(), fetch)
+    assert fetched == ["sample/10BT/000_00000.parquet", "sample/10BT/001_00000.parquet"]
+    assert all(p.is_file() for p in paths)
+    download(tmp_path / "fw", "sample-10BT", 2, FakeHub(), fetch)  # complete shards are not fetched again
+    assert len(fetched) == 2
+    train_docs = set(datasets.load_fineweb_edu(str(tmp_path / "fw"))["text"])
+    held_out = set(datasets.load_fineweb_edu(str(tmp_path / "fw"), validation=True)["text"])
+    assert len(train_docs) + len(held_out) == 600 and not train_docs & held_out
+    with pytest.raises(SystemExit, match="no parquet shards for subset 'sample-1T'"):
+        download(tmp_path / "fw", "sample-1T", None, FakeHub(), fetch)

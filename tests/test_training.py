@@ -107,3 +107,32 @@ def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_checkpoint(token
     failed_at = max(run.losses) + 1 if run.losses else 1
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*"))
     assert saved and max(saved) < failed_at and all((tmp_path / "checkpoint" / f"step-{s}" / ".metadata").exists() for s in saved)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tokenizer_dir, tmp_path):
+    """Two launches of scripts/train.sh on this machine as NNODES=2 (c10d rendezvous at
+    127.0.0.1, one process each) train as one node with two processes, from one seed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    one_node, two_nodes = tmp_path / "one_node", tmp_path / "two_nodes"
+    seeded_folder("transformer", one_node)
+    shutil.copytree(one_node, two_nodes)
+    args = CONFIGS["transformer"] + SHORT + ["--training.global_batch_size", "4"]
+    single = train(args + ["--dump_folder", str(one_node)], nproc=2)
+    port = free_port()
+    node_env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RDZV_ID": f"two-nodes-{port}"}
+    with ThreadPoolExecutor(2) as pool:
+        nodes = list(pool.map(lambda node: train(args + ["--dump_folder", str(two_nodes)], nproc=1,
+                                                 env=node_env | {"LOG_DIR": str(tmp_path / f"logs{node}")}), range(2)))
+    assert single.returncode == 0 and all(n.returncode == 0 for n in nodes), (single, nodes)
+    logged = max(nodes, key=lambda n: len(n.losses))  # the node holding global rank 0 prints the steps
+    assert relative_gap(single.losses, logged.losses) < 1e-5
+    assert "2 node(s) x 1 process(es)" in nodes[0].output
