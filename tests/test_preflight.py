@@ -126,3 +126,20 @@ def test_the_offline_default_tokenizer_is_built_on_first_use(tmp_path, monkeypat
     config = preflight.parse(DEBUG + ["--hf_assets_path", str(tmp_path / "other"), "--dump_folder", str(tmp_path / "run")])
     with pytest.raises(UserError, match="no tokenizer.model or tokenizer.json"):
         preflight.check_tokenizer(config)
+
+
+def test_the_readmes_32_gpu_run_passes_preflight(tokenizer_dir, tmp_path, monkeypatch):
+    """The README's multi-node command, as 32 ranks (the Llama-2 tokenizer cannot ship: the
+    offline one stands in for it)."""
+    import re
+    import shlex
+
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"NNODES=4 NPROC_PER_NODE=8 [^\n]*\\\n\s*bash scripts/train.sh ([^\n]*--config mela_400m[^\n]*)",
+                        readme)
+    assert command, "the README's real-run command is missing"
+    args = shlex.split(command.group(1))
+    args[args.index("--dump_folder") + 1] = str(tmp_path / "mela_400m")
+    config = preflight.parse(args + ["--hf_assets_path", str(tokenizer_dir)])
+    preflight.check(config, world=32)
+    assert preflight.fitted_local_batch(config, 32, explicit=False) == 4  # as the README says
