@@ -2,7 +2,8 @@
 
 `newton_schulz(X, steps)` approximates the nearest semi-orthogonal matrix U V^T of each
 matrix in a batch (X = U S V^T), with Muon's quintic iteration (Jordan et al., 2024),
-used by Mela's memory update (002_*.txt, eq. 10):
+used by Mela's memory update ("Mela: Test-Time Memory Consolidation based on Transformation
+Hypothesis", arXiv:2605.10537, eq. 10):
 
     X <- X / (||X||_F + 1e-7);  transpose if rows > cols
     repeat `steps` times:  A = X X^T;  B = b A + c A^2;  X = a X + B X

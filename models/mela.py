@@ -1,4 +1,7 @@
-"""Mela: a Transformer++ decoder reading a Hierarchical Memory Module (002_*.txt, sections 3-4).
+"""Mela: a Transformer++ decoder reading a Hierarchical Memory Module.
+
+Paper: "Mela: Test-Time Memory Consolidation based on Transformation Hypothesis"
+(arXiv:2605.10537), sections 3-4; section and equation numbers below are that paper's.
 
 HMM (section 3, Figure 1). Token embeddings x (B, T, dim) (projected to memory_dim when it
 differs from dim) are patchified by a 1-D convolution (kernel = stride = P) into x_p
@@ -45,8 +48,9 @@ Choices where the paper is silent (each tested in tests/test_mela.py):
   recursion runs chunk by chunk (a Python loop over the N_p / C chunks). The no-grad
   cycles' writes enter the gradient as constant increments (`straight_through`), so the
   initial weights and earlier chunks' writes still learn; per_block needs read-after-write
-  (else the last step's write would reach the loss only through no-grad cycles). Either way the carried state is constant in the context length
-  and segment-by-segment equals one pass exactly.
+  (else the last step's write would reach the loss only through no-grad cycles). Either way
+  the carried state is constant in the context length and segment-by-segment equals one
+  pass exactly.
 - L-module input: Fuse_L(concat(l, h)) + x_p (input injection, as HRM's z_L + z_H + x);
   H-module input: Fuse_H(concat(h, l)). Each module ends with an RMSNorm so that l and h
   keep their scale over cycles. Fusion MLPs: Linear(2m, m) -> SiLU -> Linear(m, out).

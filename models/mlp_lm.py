@@ -1,4 +1,5 @@
-"""The from-scratch MLP-FFN decoder of the Locas paper (000_*.txt, section 4: "we pretrain our
+"""The from-scratch MLP-FFN decoder of the Locas paper (Lu et al., "Locas: Your Models are
+Principled Initializers of Locally-Supported Parametric Memories", section 4: "we pretrain our
 own 0.6B decoder-only transformer using two-layer MLP FFNs").
 
 A pre-norm decoder: RMSNorm -> causal self-attention (RoPE, optional GQA) -> residual,

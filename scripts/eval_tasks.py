@@ -5,11 +5,13 @@
         --context-lengths 1024,2048 --samples 20 --out <dir>
 
 Tasks (each sample: a context of about the asked length in tokens, a query, the answer):
-- kv_retrieval: GradMem's associative retrieval (001_*.txt, section 4): keys and values of 2
+- kv_retrieval: GradMem's associative retrieval (Kuratov et al., "GradMem: Learning to Write
+  Context into Memory with Test-Time Gradient Descent", section 4): keys and values of 2
   symbols from 62 (letters and digits), unique keys, context `!k1:v1!!k2:v2!...|`, query
   `?!k:`, answer `v`; as many pairs as fit. Scored by exact match of the value.
-- s_niah: RULER single needle (004_*.txt, appendix A.1): one "The special magic value for
-  <adjective-noun> is: <adjective-noun>." at a random depth of filler text; substring match.
+- s_niah: RULER single needle (Cho et al., "MoNe: Modular Neural Memory for Efficient Long
+  Context Inference", appendix A.1): one "The special magic value for <adjective-noun>
+  is: <adjective-noun>." at a random depth of filler text; substring match.
 - mk_niah: RULER multi-key needle: four such needles at scattered depths, one queried, the
   other three are distractors; substring match.
 - fwe: RULER frequent-word extraction: 6-letter words drawn from a Zipf law (alpha 2), the

@@ -1,4 +1,7 @@
-"""Small-scale replication of Mela's length claim (002_*.txt, Figure 4), with controls.
+"""Small-scale replication of Mela's length claim, with controls.
+
+Paper: "Mela: Test-Time Memory Consolidation based on Transformation Hypothesis"
+(arXiv:2605.10537), Figure 4.
 
 The paper's claim: Mela's perplexity stays on the same order as the context grows past the
 training length, while a Transformer's degrades. Any model whose attention spans one chunk
