@@ -9,7 +9,7 @@ from torchtitan.models.common.attention import create_varlen_metadata_for_docume
 from models.mlp_lm import MLPLM, MLPLMConfig
 from param_counts import param_count
 from torchtitan_ext import mlp_lm, transformer
-from torchtitan_ext.plain_model import IdentityStateDictAdapter
+from torchtitan_ext.plain_model import WrapperStateDictAdapter
 
 # Sizes the flavors claim: the Mela paper's three scales (Table 1) and Locas' "0.6B".
 CLAIMED = {("transformer", "400m"): 400e6, ("transformer", "800m"): 800e6, ("transformer", "1b2"): 1.2e9,
@@ -86,7 +86,7 @@ def test_tied_embeddings_are_retied_after_reinit_and_adapter_round_trips():
     model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight))  # as after to_empty
     model.init_states()
     assert model.lm_head.weight is model.tok_embeddings.weight
-    adapter = IdentityStateDictAdapter(spec.model, None)
+    adapter = WrapperStateDictAdapter(spec.model, None)
     hf = adapter.to_hf(model.state_dict())
     assert "model.lm_head.weight" not in hf and "model.tok_embeddings.weight" in hf
     back = adapter.from_hf(hf)

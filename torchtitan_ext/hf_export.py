@@ -3,7 +3,7 @@
 Weights are mapped by each family's torchtitan state-dict adapter (the one its ModelSpec
 names): Transformer++ through torchtitan's `Llama3StateDictAdapter` (a standard
 `LlamaForCausalLM`, loadable by plain `transformers`), the other families through
-`IdentityStateDictAdapter` (keys `model.<plain key>`). Those families export as remote code:
+`WrapperStateDictAdapter` (keys `model.<plain key>`). Those families export as remote code:
 `MemoryLMForCausalLM` (`torchtitan_ext/hf_remote/`) plus the model's own source, copied at
 export time from `models/` and `kernels/` with their imports made relative, and an
 `auto_map`, so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` needs only

@@ -78,7 +78,7 @@ def plain_model_spec(name: str, flavor: str, model_cls: type, plain_config) -> M
         parallelize_fn=parallelize_plain_decoder,
         pipelining_fn=None,
         post_optimizer_build_fn=None,
-        state_dict_adapter=IdentityStateDictAdapter,
+        state_dict_adapter=WrapperStateDictAdapter,
     )
 
 
@@ -104,7 +104,7 @@ def parallelize_plain_decoder(model, *, parallel_dims, training, parallelism, co
     )
 
 
-class IdentityStateDictAdapter(StateDictAdapter):
+class WrapperStateDictAdapter(StateDictAdapter):
     """HF keys = `model.` + the plain model's keys: the layout of the Hugging Face export
     (`torchtitan_ext/hf_export.py`), whose wrapper holds the plain model as `model`. A tied
     `lm_head.weight` is dropped on export (safetensors refuses shared tensors) and
