@@ -31,10 +31,10 @@ def titans(variant: str):
                                  memory=NeuralMemoryConfig(chunk_size=4, checkpoint_chunks=2)))
 
 
-def mela():
+def mela(**fields):
     # P * C = 8 tokens: LENGTH = 5 decoder chunks.
     return Mela(MelaConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=2, memory_heads=2, patch_size=2,
-                           chunk_size=4, memory=mela_memory(expansion=2)))
+                           chunk_size=4, memory=mela_memory(expansion=2), **fields))
 
 
 def mlp_lm():
@@ -60,8 +60,9 @@ class TransformerPP(torch.nn.Module):
 
 
 FAMILIES = {f"titans_{v}": (lambda v=v: titans(v)) for v in VARIANTS} | {
-    "mela": mela, "mlp_lm": mlp_lm, "transformer": TransformerPP}
-STREAMING = {name for name in FAMILIES if name.startswith("titans") or name == "mela"}
+    "mela": mela, "mela_per_block_chain": lambda: mela(memory_chain="per_block"), "mlp_lm": mlp_lm,
+    "transformer": TransformerPP}
+STREAMING = {name for name in FAMILIES if name.startswith(("titans", "mela"))}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
