@@ -48,8 +48,10 @@ Choices where the paper is silent (each tested in tests/test_mela.py):
   recursion runs chunk by chunk (a Python loop over the N_p / C chunks). The no-grad
   cycles' writes enter the gradient as constant increments (`straight_through`), so the
   initial weights and earlier chunks' writes still learn; per_block needs read-after-write
-  (else the last step's write would reach the loss only through no-grad cycles). Either way
-  the carried state is constant in the context length and segment-by-segment equals one
+  (else the last step's write would reach the loss only through no-grad cycles). per_block
+  is the default: in scripts/replicate_mela_length.py (3 seeds, 44 held-out documents) its
+  perplexity is 0.85x per_step's (95% interval 0.84-0.87) at 1x-8x the training context
+  (docs/benchmarks.md). Either way the carried state is constant in the context length and segment-by-segment equals one
   pass exactly.
 - L-module input: Fuse_L(concat(l, h)) + x_p (input injection, as HRM's z_L + z_H + x);
   H-module input: Fuse_H(concat(h, l)). Each module ends with an RMSNorm so that l and h
@@ -118,7 +120,7 @@ class MelaConfig:
     attention_gating: bool = True
     fusion: str = "mlp"  # "mlp" | "h_only" | "weighted_sum"
     memory_read: str = "after_write"  # HMM memory chunk c reads M_c ("after_write") or M_{c-1} ("before_write")
-    memory_chain: str = "per_step"  # one memory per module step ("per_step") or per block across the depth ("per_block")
+    memory_chain: str = "per_block"  # one memory per block across the depth ("per_block") or per module step ("per_step")
     memory_path: bool = True  # False: every decoder chunk reads memory_init, the HMM never runs (a control)
     memory_attention: bool = True  # gated attention inside the memory blocks
     neural_memory: bool = True  # neural memory inside the memory blocks
@@ -140,8 +142,9 @@ class MelaConfig:
         if self.memory_chain not in MEMORY_CHAINS:
             raise ValueError(f"Mela memory_chain '{self.memory_chain}' unknown: choose one of {MEMORY_CHAINS}")
         if self.memory_chain == "per_block" and self.memory_read != "after_write":
-            raise ValueError("Mela memory_chain 'per_block' needs memory_read 'after_write': reading before the write, "
-                             "the last step's write reaches later chunks only through no-grad cycles (no gradient)")
+            raise ValueError("Mela memory_chain 'per_block' needs memory_read 'after_write' (reading before the write, "
+                             "the last step's write reaches later chunks only through no-grad cycles): pass "
+                             "memory_chain='per_step' with memory_read='before_write'")
         if not (self.memory_attention or self.neural_memory):
             raise ValueError("Mela memory blocks need attention or neural memory (or both): do not turn off both")
         if self.memstack and self.h_cycles - 1 > self.n_layers:

@@ -89,7 +89,7 @@ def transformer_variant(name: str, chunk_local: bool) -> Variant:
 
 
 VARIANTS = [
-    mela_variant("mela (per_step)"),
+    mela_variant("mela (per_step)", memory_chain="per_step"),
     mela_variant("mela (per_block)", memory_chain="per_block"),
     mela_variant("mela, memory path off", memory_path=False),
     transformer_variant("transformer, chunk-local", chunk_local=True),
@@ -228,6 +228,7 @@ def plot(results: dict, path: Path) -> None:
         right.plot(range(results["chunk_tokens"]), run["loss_by_chunk_position"], label=name)
     left.set(xscale="log", xlabel="context (tokens)", ylabel="perplexity (95% CI)", xticks=lengths,
              xticklabels=[str(n) for n in lengths], title=f"trained at {results['context']} tokens")
+    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     right.set(xlabel="position inside the decoder chunk (P*C = 64)", ylabel="mean loss (chunks 1..)",
               title="loss by position in chunk")
     left.legend(fontsize=8)

@@ -24,7 +24,7 @@ from torchtitan_ext import flops, mela, mlp_lm, titans
 # Mela at 4 decoder chunks of P * C = 64, the MLP-FFN LM at 128.
 CASES = {f"titans_{v}_debug": (TitansLM, titans.model_spec(v, "debug").model.model, 64) for v in VARIANTS} | {
     "mela_debug": (Mela, mela.model_config("debug"), 256),
-    "mela_debug_per_block_chain": (Mela, mela.model_config("debug", memory_chain="per_block"), 256),
+    "mela_debug_per_step_chain": (Mela, mela.model_config("debug", memory_chain="per_step"), 256),
     "mela_debug_memory_path_off": (Mela, mela.model_config("debug", memory_path=False), 256),
     "mlp_lm_debug": (MLPLM, mlp_lm.model_spec("debug").model.model, 128),
 }

@@ -18,7 +18,7 @@ VARIANTS = {
     "weighted_sum": dict(fusion="weighted_sum", memory_dim=16),
     "h_only_no_ns": dict(fusion="h_only", newton_schulz_steps=0),
     "no_attention_3_cycles": dict(memory_attention=False, h_cycles=3, l_cycles=1),
-    "per_block_chain": dict(memory_chain="per_block"),
+    "per_step_chain": dict(memory_chain="per_step"),
 }
 
 
@@ -80,7 +80,7 @@ def test_information_crosses_more_than_one_chunk_only_through_the_neural_memory(
 
 
 def test_only_the_last_cycle_runs_with_gradients():
-    model = small_model(h_cycles=3, l_cycles=2)
+    model = small_model(h_cycles=3, l_cycles=2, memory_chain="per_step")  # one module call per step
     seen = {"l": [], "h": []}
     for name in seen:
         module = getattr(model.hmm, f"{name}_module")
@@ -114,7 +114,7 @@ def test_memory_writes_train_at_the_papers_two_chunks_per_sequence():
     model = small_model()
     assert model.cfg.chunk_tokens * 2 == 16 and model.cfg.min_trainable_seq_len <= 16
     assert not parameters_without_gradient(model, 16)
-    before = small_model(memory_read="before_write")
+    before = small_model(memory_read="before_write", memory_chain="per_step")
     assert before.cfg.min_trainable_seq_len > 16
     missing = parameters_without_gradient(before, 16)
     assert missing and all(".memory.to_qkv" in n or ".memory.to_gates" in n for n in missing), missing
@@ -226,7 +226,7 @@ def test_config_rejects_bad_ablation_settings():
     with pytest.raises(ValueError, match="needs n_layers >= 3"):
         MelaConfig(h_cycles=4, n_layers=2)
     with pytest.raises(ValueError, match="memory_chain 'per_block' needs memory_read 'after_write'"):
-        MelaConfig(memory_chain="per_block", memory_read="before_write")
+        MelaConfig(memory_read="before_write")
 
 
 def test_ablation_flags_change_the_model():
@@ -266,7 +266,7 @@ def test_per_block_chain_carries_one_memory_through_every_step_and_chunk():
         for (state_in, _), (_, previous_out) in zip(chain[1:], chain):
             for a, b in zip(state_in.weights + state_in.momentum, previous_out.weights + previous_out.momentum):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the same up to straight_through's rounding
-    model = small_model(h_cycles=2, l_cycles=2)
+    model = small_model(h_cycles=2, l_cycles=2, memory_chain="per_step")
     per_step = memory_calls(model, 8 * n_chunks)
     assert len(per_step[id(model.hmm.l_module.blocks[0].memory)]) == 2 * 2
     assert len(per_step[id(model.hmm.h_module.blocks[0].memory)]) == 2
@@ -288,7 +288,7 @@ def test_per_block_initial_memory_and_earlier_writes_learn_through_the_no_grad_c
 def test_per_block_chain_changes_what_the_decoder_reads():
     """Same weights, the two chains: chunk 0's HMM output (read by chunk 1) already differs,
     since per_block's second L-step reads the first one's write."""
-    per_step, per_block = small_model(), small_model(memory_chain="per_block")
+    per_step, per_block = small_model(memory_chain="per_step"), small_model()
     per_block.load_state_dict(per_step.state_dict())
     x = tokens(2, 24)
     with torch.no_grad():
@@ -316,7 +316,7 @@ def test_section_5_3_ablations_are_named_configs_on_the_1b_token_budget():
     from torchtitan_ext import preflight
 
     assert {"h_cycles_1", "h_cycles_2", "l_cycles_1", "l_cycles_2", "h_layers_2", "l_layers_2", "l_layers_8",
-            "no_newton_schulz", "no_neural_memory"} <= set(configs.ABLATIONS)
+            "no_newton_schulz", "no_neural_memory", "per_step_chain"} <= set(configs.ABLATIONS)
     for name, (fields, _) in configs.ABLATIONS.items():
         config = getattr(configs, f"mela_400m_{name}")()
         model = config.model_spec.model.model

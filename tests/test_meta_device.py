@@ -60,7 +60,7 @@ class TransformerPP(torch.nn.Module):
 
 
 FAMILIES = {f"titans_{v}": (lambda v=v: titans(v)) for v in VARIANTS} | {
-    "mela": mela, "mela_per_block_chain": lambda: mela(memory_chain="per_block"), "mlp_lm": mlp_lm,
+    "mela": mela, "mela_per_step_chain": lambda: mela(memory_chain="per_step"), "mlp_lm": mlp_lm,
     "transformer": TransformerPP}
 STREAMING = {name for name in FAMILIES if name.startswith(("titans", "mela"))}
 

@@ -68,7 +68,7 @@ ABLATIONS = {
     "fusion_weighted_sum": (dict(fusion="weighted_sum"), "Table 4: a learned weighted sum of l and h"),
     "no_memory_attention": (dict(memory_attention=False), "Table 4: memory blocks without attention"),
     "no_neural_memory": (dict(neural_memory=False), "Table 4: memory blocks without the neural memory"),
-    "per_block_chain": (dict(memory_chain="per_block"), "One memory per block across the recursion depth"),
+    "per_step_chain": (dict(memory_chain="per_step"), "One memory chain per module step of the recursion"),
 }
 for _name, (_fields, _doc) in ABLATIONS.items():
     _ablation_config(_name, _fields, _doc)
