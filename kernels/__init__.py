@@ -1,8 +1,8 @@
 """Triton kernels, each with a plain torch reference beside it, behind one entry point per op.
 
 - `newton_schulz(x, steps, backend)`: Muon's Newton-Schulz iteration.
-- `memory_update(weight, momentum, grad, eta, alpha, ns_steps, backend)`: the memory's
-  per-chunk step S' = eta S - G, M' = (1 - alpha) M + NS(S'), fused in one kernel.
+- `memory_update(weight, momentum, grad, eta, alpha, ns_steps, backend, step_scale)`: the
+  memory's per-chunk step S' = eta S - G, M' = (1 - alpha) M + step_scale NS(S'), fused in one kernel.
 backend "auto" runs a Triton kernel on CUDA tensors (fp32, bf16) and the eager torch
 reference otherwise: the per-matrix kernel when the matrices fit one program (up to
 128 x 512, either orientation), else for `newton_schulz` the blocked kernel (any size,
@@ -79,11 +79,11 @@ def newton_schulz(x: torch.Tensor, steps: int = 5, backend: str = "auto", coeffi
     return reference(x, steps, coefficients)
 
 
-def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: str = "auto"):
+def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: str = "auto", step_scale: float = 1.0):
     """(new weight, new momentum) of one chunk step; see kernels/memory_update.py."""
     backend = _resolve("memory_update", backend, weight, MEMORY_UPDATE_BACKENDS)
     if backend == "triton":
         return _triton("memory_update").memory_update_triton(weight.contiguous(), momentum.contiguous(),
-                                                              grad.contiguous(), eta, alpha, ns_steps)
+                                                              grad.contiguous(), eta, alpha, ns_steps, step_scale)
     reference = _compiled(memory_update_reference) if backend == "compiled" else memory_update_reference
-    return reference(weight, momentum, grad, eta, alpha, ns_steps)
+    return reference(weight, momentum, grad, eta, alpha, ns_steps, step_scale)

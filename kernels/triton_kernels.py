@@ -115,7 +115,7 @@ def _newton_schulz_kernel(x_ptr, work_ptr, out_ptr, rows, cols, stride_b, stride
 
 @triton.jit
 def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, work_ptr, w_out_ptr, s_out_ptr, rows, cols,
-                          stride_b, stride_r, stride_c, coef_ptr,
+                          stride_b, stride_r, stride_c, coef_ptr, step_scale,
                           STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     matrix = tl.program_id(0).to(tl.int64)
     eta = tl.load(eta_ptr + matrix).to(tl.float32)
@@ -132,7 +132,7 @@ def _memory_update_kernel(w_ptr, s_ptr, g_ptr, eta_ptr, alpha_ptr, work_ptr, w_o
     for k0 in range(0, cols, BLOCK_K):
         offsets, inside, work = _column_block(matrix, k0, rows, cols, stride_b, stride_r, stride_c, BLOCK_R, BLOCK_K)
         w = retain * tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        w += tl.load(work_ptr + work, mask=inside, other=0.0)
+        w += step_scale * tl.load(work_ptr + work, mask=inside, other=0.0)
         tl.store(w_out_ptr + offsets, w.to(w_out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -291,7 +291,7 @@ class _NewtonSchulz(torch.autograd.Function):
 
 class _MemoryUpdate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, momentum, grad, eta, alpha, steps, coefficients):
+    def forward(ctx, weight, momentum, grad, eta, alpha, steps, step_scale, coefficients):
         _check("memory_update_triton: weight", weight)
         _check("memory_update_triton: momentum", momentum, weight)
         _check("memory_update_triton: grad", grad, weight)
@@ -299,11 +299,12 @@ class _MemoryUpdate(torch.autograd.Function):
             if gate.shape != weight.shape[:-2]:
                 raise ValueError(f"memory_update_triton: {name} has shape {tuple(gate.shape)}; expected {tuple(weight.shape[:-2])}")
         ctx.save_for_backward(weight, momentum, grad, eta, alpha)
-        ctx.steps, ctx.coefficients = steps, coefficients
+        ctx.steps, ctx.step_scale, ctx.coefficients = steps, step_scale, coefficients
         new_weight, new_momentum = torch.empty_like(weight), torch.empty_like(momentum)
         grid, workspace, geometry, blocks = _launch_geometry(weight)
         _memory_update_kernel[grid](weight, momentum, grad, eta.contiguous(), alpha.contiguous(), workspace, new_weight,
-                                    new_momentum, *geometry, _coefficients(coefficients, steps, weight), STEPS=steps,
+                                    new_momentum, *geometry, _coefficients(coefficients, steps, weight), float(step_scale),
+                                    STEPS=steps,
                                     **blocks)
         return new_weight, new_momentum
 
@@ -311,9 +312,9 @@ class _MemoryUpdate(torch.autograd.Function):
     def backward(ctx, grad_weight, grad_momentum):
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors]
-            outputs = memory_update_reference(*leaves, ctx.steps, ctx.coefficients)
+            outputs = memory_update_reference(*leaves, ctx.steps, ctx.step_scale, ctx.coefficients)
             grads = torch.autograd.grad(outputs, leaves, (grad_weight, grad_momentum), allow_unused=True)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def newton_schulz_triton(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
@@ -333,6 +334,8 @@ def newton_schulz_blocked(x: torch.Tensor, steps: int = 5, coefficients=MUON_COE
     return _NewtonSchulz.apply(x, steps, coefficient_schedule(coefficients, steps), block)
 
 
-def memory_update_triton(weight, momentum, grad, eta, alpha, steps: int, coefficients=MUON_COEFFICIENTS):
+def memory_update_triton(weight, momentum, grad, eta, alpha, steps: int, step_scale: float = 1.0,
+                         coefficients=MUON_COEFFICIENTS):
     """Same contract as `kernels.memory_update.memory_update_reference`, fused in one kernel."""
-    return _MemoryUpdate.apply(weight, momentum, grad, eta, alpha, steps, coefficient_schedule(coefficients, steps))
+    return _MemoryUpdate.apply(weight, momentum, grad, eta, alpha, steps, step_scale,
+                               coefficient_schedule(coefficients, steps))

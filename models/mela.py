@@ -116,6 +116,7 @@ class MelaConfig:
     memory: NeuralMemoryConfig = field(default_factory=mela_memory)
     # Ablations of Table 4.
     newton_schulz_steps: int = 5  # 0: plain momentum update (eq. 4-5 instead of 10-11)
+    memory_step_scale: float = 1.0  # lr on the orthogonalised step: M = alpha M + lr NS(S) (eq. 10 as printed: 1)
     memstack: bool = True
     attention_gating: bool = True
     fusion: str = "mlp"  # "mlp" | "h_only" | "weighted_sum"
@@ -156,7 +157,7 @@ class MelaConfig:
         self.memory = dataclasses.replace(
             self.memory, dim=self.memory_dim, n_heads=self.memory_heads, head_dim=self.memory_dim // self.memory_heads,
             chunk_size=self.chunk_size, newton_schulz_steps=self.newton_schulz_steps,
-            read_after_write=self.memory_read == "after_write",
+            step_scale=self.memory_step_scale, read_after_write=self.memory_read == "after_write",
         )
 
     @property

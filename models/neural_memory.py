@@ -28,7 +28,7 @@ read the state left by chunk c-1 (M_{c-1}). Two write rules (`gates`):
   weight matrix) and (C+1)^2 decay products from a log-space segment sum; decay and
   momentum time scales do not depend on C. With C = 1 this is online gradient descent.
 - "chunk" (TTT / LaCT style): one optimiser step per chunk, S = mean(eta) S - sum_t theta_t u_t,
-  M = (1 - mean(alpha)) M + [NS](S), through `kernels.memory_update` (fused Triton on GPU).
+  M = (1 - mean(alpha)) M + step_scale [NS](S), through `kernels.memory_update` (fused Triton on GPU).
   Newton-Schulz needs this rule: NS is not linear, so orthogonalising every token's
   momentum cannot be folded into weighted gradient sums (C NS iterations per chunk), and
   Mela (section 3.1) writes one gradient per chunk ("the resulting gradient then serves
@@ -100,6 +100,7 @@ class NeuralMemoryConfig:
     forget: bool = True
     gates: str = "token"  # "token": per-token scan (Titans 3.2); "chunk": one step per chunk (needed by NS)
     newton_schulz_steps: int = 0  # 0: plain update (Titans); 5: Mela eq. 10 (needs gates="chunk")
+    step_scale: float = 1.0  # learning rate on the chunk step: M = (1-alpha) M + step_scale NS(S) (gates="chunk")
     conv_kernel: int = 4  # causal depthwise conv after the q/k/v projections; 0 = none
     value_silu: bool = True
     output_norm: bool = True
@@ -119,6 +120,9 @@ class NeuralMemoryConfig:
         if self.newton_schulz_steps and self.gates == "token":
             raise ValueError("Newton-Schulz momentum (newton_schulz_steps > 0) orthogonalises one step per chunk: "
                              "set gates='chunk' (or newton_schulz_steps=0)")
+        if self.step_scale != 1.0 and self.gates != "chunk":
+            raise ValueError(f"step_scale {self.step_scale} scales the one step per chunk: set gates='chunk' "
+                             "(per-token updates take their step size from theta)")
         if self.conv_kernel < 0 or self.checkpoint_chunks < 0:
             raise ValueError("conv_kernel and checkpoint_chunks must be >= 0")
 
@@ -211,6 +215,7 @@ class UpdateRule(NamedTuple):
     ns_steps: int = 0
     backend: str = "auto"
     read_after_write: bool = False
+    step_scale: float = 1.0
 
 
 def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c, rule: UpdateRule):
@@ -231,7 +236,7 @@ def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c,
     else:
         grads = associative_grads(weights, saved, out_k, v_c, theta_c[..., None])
         eta, alpha = log_eta_c.exp().mean(-1), 1 - log_keep_c.exp().mean(-1)
-        updated = [kernel_memory_update(w, s, g[:, :, 0], eta, alpha, rule.ns_steps, rule.backend)
+        updated = [kernel_memory_update(w, s, g[:, :, 0], eta, alpha, rule.ns_steps, rule.backend, rule.step_scale)
                    for w, s, g in zip(weights, momentum, grads)]
         weights, momentum = tuple(w for w, _ in updated), tuple(s for _, s in updated)
     if rule.read_after_write:
@@ -409,7 +414,7 @@ class NeuralMemory(nn.Module):
         dtype, start_weights = state.weights[0].dtype, state.weights
         new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
-        rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write)
+        rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale)
         y, state = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule, cfg.compiled_chunk_step,
                                   cfg.checkpoint_chunks)
         self._note_stats(start_weights, state, new[2:])

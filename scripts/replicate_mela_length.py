@@ -91,6 +91,7 @@ def transformer_variant(name: str, chunk_local: bool) -> Variant:
 VARIANTS = [
     mela_variant("mela (per_step)", memory_chain="per_step"),
     mela_variant("mela (per_block)", memory_chain="per_block"),
+    mela_variant("mela (per_block, lr 0.1)", memory_chain="per_block", memory_step_scale=0.1),
     mela_variant("mela, memory path off", memory_path=False),
     transformer_variant("transformer, chunk-local", chunk_local=True),
     transformer_variant("transformer, full", chunk_local=False),
@@ -100,11 +101,11 @@ VARIANTS = [
 def load_corpus(min_eval_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(training token stream, held-out documents): every other document with at least
     `min_eval_tokens` tokens is held out, cut to that length."""
+    from torchtitan_ext import default_tokenizer
     from torchtitan_ext.embedded_corpus import embedded_documents
-    from torchtitan_ext.paths import default_tokenizer_dir
     from torchtitan_ext.tokenizer import AssetsTokenizer
 
-    tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(default_tokenizer_dir()))
+    tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(default_tokenizer.build().parent))
     train, held_out, long_docs = [], [], 0
     for doc in embedded_documents():
         ids = tokenizer.encode(doc, add_bos=True, add_eos=True)
@@ -152,6 +153,16 @@ def token_losses(model, logits_of, docs: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(losses)
 
 
+def precision_gap(model, logits_of, doc: torch.Tensor) -> float:
+    """Largest |fp32 logit - fp64 logit| over the last decoder chunk of one held-out
+    document (8x the training context): how far rounding has been amplified by then."""
+    with torch.no_grad():
+        single = logits_of(model, doc[None, :-1])[0, -CHUNK:].double()
+        double = logits_of(model.double(), doc[None, :-1])[0, -CHUNK:]
+        model.float()
+    return (single - double).abs().max().item()
+
+
 def bootstrap(per_doc: torch.Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% interval of exp(mean) over documents resampled with replacement; per_doc (D,)."""
     picks = torch.randint(0, len(per_doc), (resamples, len(per_doc)), generator=torch.Generator().manual_seed(seed))
@@ -182,7 +193,10 @@ def summarize(losses: dict[str, torch.Tensor]) -> dict:
                                    "mela, memory path off"),
                                   ("memory effect: mela (per_block) / memory path off", "mela (per_block)",
                                    "mela, memory path off"),
+                                  ("memory effect: mela (per_block, lr 0.1) / memory path off",
+                                   "mela (per_block, lr 0.1)", "mela, memory path off"),
                                   ("chain: per_block / per_step", "mela (per_block)", "mela (per_step)"),
+                                  ("step: per_block lr 0.1 / lr 1", "mela (per_block, lr 0.1)", "mela (per_block)"),
                                   ("window effect: transformer chunk-local / full", "transformer, chunk-local",
                                    "transformer, full")):
         if model not in losses or control not in losses:
@@ -241,23 +255,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("outputs/replication"))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--only", help="comma-separated variant names (default: all)")
+    parser.add_argument("--only", action="append", help="a variant's name (repeatable; default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     stream, docs = load_corpus(CONTEXT * EVAL_MULTIPLES[-1])
     print(f"training stream {len(stream):,} tokens; {len(docs)} held-out documents of {len(docs[0])} tokens")
-    chosen = [v for v in VARIANTS if not args.only or v.name in args.only.split(",")]
-    losses = {}
+    chosen = [v for v in VARIANTS if not args.only or v.name in args.only]
+    losses, gaps = {}, {}
     for variant in chosen:
         per_seed = []
         for seed in range(args.seeds):
             start = time.time()
             model, logits_of, final = train(variant, stream, seed, args.steps)
             per_seed.append(token_losses(model, logits_of, docs))
+            gaps.setdefault(variant.name, []).append(precision_gap(model, logits_of, docs[0]))
             print(f"{variant.name} seed {seed}: final train loss {final:.3f}, held-out loss "
-                  f"{per_seed[-1].mean():.3f} ({time.time() - start:.0f} s)", flush=True)
+                  f"{per_seed[-1].mean():.3f}, fp32-fp64 logit gap {gaps[variant.name][-1]:.2e} "
+                  f"({time.time() - start:.0f} s)", flush=True)
         losses[variant.name] = torch.stack(per_seed)
-    results = summarize(losses) | {"steps": args.steps}
+    results = summarize(losses) | {"steps": args.steps, "fp32_fp64_logit_gap": gaps}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     (args.out / "results.md").write_text(markdown(results, args.steps))
     plot(results, args.out / "replication.png")

@@ -163,9 +163,10 @@ def test_read_after_write_reads_its_own_chunk_and_refuses_partial_chunks():
             make_memory(read_after_write=True)(x[:, :5])
 
 
-def test_newton_schulz_with_token_gates_is_refused():
-    with pytest.raises(ValueError, match="gates='chunk'"):
-        NeuralMemoryConfig(newton_schulz_steps=5, gates="token")
+def test_newton_schulz_and_step_scale_with_token_gates_are_refused():
+    for fields in ({"newton_schulz_steps": 5}, {"step_scale": 0.1}):
+        with pytest.raises(ValueError, match="gates='chunk'"):
+            NeuralMemoryConfig(gates="token", **fields)
 
 
 def test_chunk_size_one_is_online_gradient_descent_and_differs_from_larger_chunks():

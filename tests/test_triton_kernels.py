@@ -103,15 +103,29 @@ def update_inputs(shape, seed=4):
     return weight, momentum, grad, eta, alpha
 
 
-@pytest.mark.parametrize("steps", [0, 5])
+@pytest.mark.parametrize("steps,step_scale", [(0, 1.0), (5, 1.0), (5, 0.25)])
 @pytest.mark.parametrize("shape", UPDATE_SHAPES, ids=str)
-def test_fused_memory_update_matches_reference(shape, steps):
+def test_fused_memory_update_matches_reference(shape, steps, step_scale):
     from kernels.memory_update import memory_update_reference
     from kernels.triton_kernels import memory_update_triton
 
     inputs = update_inputs(shape)
-    for got, want in zip(memory_update_triton(*inputs, steps), memory_update_reference(*inputs, steps)):
+    for got, want in zip(memory_update_triton(*inputs, steps, step_scale),
+                         memory_update_reference(*inputs, steps, step_scale)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_step_scale_scales_only_the_orthogonalised_step():
+    """M' = (1 - alpha) M + lr NS(S'): the retained weight and the momentum do not depend on lr."""
+    from kernels.memory_update import memory_update_reference
+
+    weight, momentum, grad, eta, alpha = (t.cpu().double() for t in update_inputs((2, 3, 16, 32)))
+    retained = (1 - alpha)[..., None, None] * weight
+    (unit, unit_momentum), (scaled, scaled_momentum) = (
+        memory_update_reference(weight, momentum, grad, eta, alpha, 5, lr) for lr in (1.0, 0.25))
+    torch.testing.assert_close(scaled - retained, 0.25 * (unit - retained), rtol=1e-12, atol=1e-12)
+    assert torch.equal(scaled_momentum, unit_momentum)
+    assert (unit - retained).norm() > 1.0  # the step is there to scale
 
 
 @pytest.mark.parametrize("shape", UPDATE_SHAPES[:2], ids=str)
@@ -122,7 +136,7 @@ def test_fused_memory_update_backward_matches_autograd(shape):
     grads = []
     for fn in (memory_update_triton, memory_update_reference):
         leaves = [t.clone().requires_grad_() for t in update_inputs(shape)]
-        new_weight, new_momentum = fn(*leaves, 5)
+        new_weight, new_momentum = fn(*leaves, 5, 0.5)
         (new_weight * 1.5 + new_momentum.sin()).sum().backward()
         grads.append([leaf.grad for leaf in leaves])
     for got, want in zip(*grads):
