@@ -50,17 +50,21 @@ def eval_cli(*args):
 
 
 def test_writes_json_table_and_plot_and_streaming_equals_one_pass(checkpoints, long_docs, tmp_path):
+    """In float64: Mela's per-block memory amplifies rounding ~5x per chunk at eq. 10's unit
+    step (docs/benchmarks.md), so in float32 two batchings of the same 8 chunks differ by
+    1e-3; this test is about the streaming machinery, which must agree to rounding."""
     out = tmp_path / "eval"
     run = eval_cli("--checkpoint", checkpoints[MELA], "--config", MELA, "--mode", "full",
                    "--checkpoint", checkpoints[MELA], "--config", MELA, "--mode", "streaming",
                    "--checkpoint", checkpoints[TRANSFORMER], "--config", TRANSFORMER, "--mode", "sliding", "--window", "128",
-                   "--context-lengths", "128,512", "--dataset", long_docs, "--split", "all", "--bucket", "128", "--out", out)
+                   "--context-lengths", "128,512", "--dataset", long_docs, "--split", "all", "--bucket", "128",
+                   "--dtype", "float64", "--out", out)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     full, streaming, sliding = results["runs"]
     for length in ("128", "512"):
         assert full["results"][length]["tokens"] == 3 * (int(length) - 1)
-        assert abs(full["results"][length]["nll"] - streaming["results"][length]["nll"]) < 1e-5
+        assert abs(full["results"][length]["nll"] - streaming["results"][length]["nll"]) < 1e-9
     assert len(full["results"]["512"]["buckets"]) == 4
     assert "| mela_debug | streaming |" in (out / "results.md").read_text()
     assert (out / "perplexity_vs_context.png").read_bytes()[:4] == b"\x89PNG"
