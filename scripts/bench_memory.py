@@ -119,7 +119,7 @@ def saved_bytes(memory: NeuralMemory, batch: int, length: int) -> int:
 
 def flavor_memory_config(flavor: str, **options) -> tuple[NeuralMemoryConfig, int]:
     """(memory config, number of layers) of a Titans paper flavor."""
-    spec = titans.model_spec("mac", flavor).model.model
+    spec = titans.model_config(flavor, variant="mac")
     return dataclasses.replace(spec.memory, **options), spec.n_layers
 
 

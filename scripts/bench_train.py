@@ -11,7 +11,6 @@ count) and their fraction of the measured matmul FLOP/s. Steps before `--skip`
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -21,21 +20,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from torchtitan_ext.cpu import measured_matmul_flops
-
-STEP = re.compile(r"step:\s*(\d+)\s+loss:.*?tps:\s*([0-9,]+)\s+tflops:\s*([0-9.]+)")
+from torchtitan_ext.families import family_of_config_function
+from torchtitan_ext.run_log import parse_steps
 
 
 def run(config: str, steps: int, compiled: bool) -> list[tuple[int, float, float]]:
-    family = config.rsplit("_", 1)[0]
+    module = family_of_config_function(config).config_module
     with tempfile.TemporaryDirectory() as dump:
-        args = ["bash", "scripts/train.sh", "--module", f"train_configs.{family}", "--config", config,
+        args = ["bash", "scripts/train.sh", "--module", module, "--config", config,
                 "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.no-enable-wandb",
                 "--metrics.disable_color_printing", "--validator.no-enable", "--checkpoint.no-enable",
                 "--dump_folder", dump] + (["--compile.enable"] if compiled else [])
         out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env={**os.environ, "SKIP_SETUP": "1"})
     if out.returncode != 0:
         sys.exit(f"error: training failed:\n{out.stderr[-2000:]}")
-    return [(int(s), float(t.replace(",", "")), float(f) * 1e12) for s, t, f in STEP.findall(out.stdout + out.stderr)]
+    return [(step, entry["tps"], entry["tflops"] * 1e12)
+            for step, entry in parse_steps(out.stdout + out.stderr).items() if "tflops" in entry]
 
 
 def main() -> None:

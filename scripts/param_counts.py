@@ -3,25 +3,23 @@
     python scripts/param_counts.py
 """
 
-from functools import partial
-from types import SimpleNamespace
-
 import torch
 
-
 from models.mela import Mela, parameter_groups
-from models.titans import VARIANTS
-from torchtitan_ext import mela, mlp_lm, titans, transformer
-
-FAMILIES = {"transformer": transformer, "mlp_lm": mlp_lm, "mela": mela} | {
-    f"titans_{v}": SimpleNamespace(FLAVORS=titans.FLAVORS, model_spec=partial(titans.model_spec, v)) for v in VARIANTS
-}
+from torchtitan_ext import mela
+from torchtitan_ext.families import families
 
 
-def param_count(family: str, flavor: str) -> int:
+def param_count(family: str, flavor: str, **overrides) -> int:
     with torch.device("meta"):
-        model = FAMILIES[family].model_spec(flavor).model.build()
+        model = families()[family].model_spec(flavor, **overrides).model.build()
     return sum(p.numel() for p in model.parameters())
+
+
+def counts() -> list[tuple[str, str, int]]:
+    """(ModelSpec name, flavor, parameters) of every registered family, variant and flavor."""
+    return [(spec_name, flavor, param_count(family.name, flavor, **overrides))
+            for family in families().values() for spec_name, flavor, overrides in family.specs()]
 
 
 def mela_shares(flavor: str) -> dict[str, float]:
@@ -33,10 +31,9 @@ def mela_shares(flavor: str) -> dict[str, float]:
 
 
 def main() -> None:
-    print(f"{'family':<12} {'flavor':<8} {'parameters':>15}")
-    for family, module in FAMILIES.items():
-        for flavor in module.FLAVORS:
-            print(f"{family:<12} {flavor:<8} {param_count(family, flavor):>15,}")
+    print(f"{'family':<12} {'flavor':<16} {'parameters':>15}")
+    for name, flavor, count in counts():
+        print(f"{name:<12} {flavor:<16} {count:>15,}")
     print("\nMela shares (Table 1: 400m 27.45 / 65.75, 800m 28.78 / 66.35, 1b2 18.19 / 76.97)")
     for flavor in mela.FLAVORS:
         shares = mela_shares(flavor)

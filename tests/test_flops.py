@@ -16,17 +16,18 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.mela import Mela
-from models.mlp_lm import MLPLM
-from models.titans import TitansLM, VARIANTS
-from torchtitan_ext import flops, mela, mlp_lm, titans
+from torchtitan_ext import flops, mela, titans
+from torchtitan_ext.families import families
 
-# (model class, plain config, seq_len): Titans at its window (64 = 4 memory chunks of 16),
-# Mela at 4 decoder chunks of P * C = 64, the MLP-FFN LM at 128.
-CASES = {f"titans_{v}_debug": (TitansLM, titans.model_spec(v, "debug").model.model, 64) for v in VARIANTS} | {
-    "mela_debug": (Mela, mela.model_config("debug"), 256),
+# seq_len per family: Titans at its window (64 = 4 memory chunks of 16), Mela at 4 decoder
+# chunks of P * C = 64, the MLP-FFN LM at 128.
+SEQ_LEN = {"titans": 64, "mela": 256, "mlp_lm": 128}
+# (model class, plain config, seq_len) of every family with its own count, at the debug flavor.
+CASES = {f"{spec_name}_debug": (family.plain_class, family.config("debug", **overrides), SEQ_LEN[family.name])
+         for family in families().values() if family.flops_per_token
+         for spec_name, flavor, overrides in family.specs() if flavor == "debug"} | {
     "mela_debug_per_step_chain": (Mela, mela.model_config("debug", memory_chain="per_step"), 256),
     "mela_debug_memory_path_off": (Mela, mela.model_config("debug", memory_path=False), 256),
-    "mlp_lm_debug": (MLPLM, mlp_lm.model_spec("debug").model.model, 128),
 }
 
 
@@ -45,7 +46,7 @@ def measured_flops_per_token(model_cls, config, seq_len: int) -> float:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_count_matches_flop_counter_over_a_training_step(name):
     model_cls, config, seq_len = CASES[name]
-    ratio = flops.training_flops_per_token(config, seq_len) / measured_flops_per_token(model_cls, config, seq_len)
+    ratio = flops.training_flops_per_token(config, seq_len, 0) / measured_flops_per_token(model_cls, config, seq_len)
     assert abs(ratio - 1) < 0.1, ratio
 
 
@@ -54,15 +55,15 @@ def test_mela_count_follows_the_recursion_depth():
     _, config, seq_len = CASES["mela_debug"]
     deeper = dataclasses.replace(config, h_cycles=config.h_cycles + 2, memstack=False)
     shallow = dataclasses.replace(config, memstack=False)
-    counted = flops.training_flops_per_token(deeper, seq_len) - flops.training_flops_per_token(shallow, seq_len)
+    counted = flops.mela(deeper, seq_len) - flops.mela(shallow, seq_len)
     measured = measured_flops_per_token(Mela, deeper, seq_len) - measured_flops_per_token(Mela, shallow, seq_len)
-    assert counted > 0.1 * flops.training_flops_per_token(shallow, seq_len)
+    assert counted > 0.1 * flops.mela(shallow, seq_len)
     assert abs(counted / measured - 1) < 0.1, (counted, measured)
 
 
 def test_torchtitan_reads_the_count():
-    spec = titans.model_spec("mac", "debug").model
+    spec = titans.model_spec("debug", variant="mac").model
     with torch.device("meta"):
         model = spec.build()
     _, per_token = spec.get_nparams_and_flops(model, 64)
-    assert per_token == flops.training_flops_per_token(spec.model, 64)
+    assert per_token == flops.titans(spec.model, 64)

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import train
 from torchtitan_ext.checkpoints import build_model, causal_logits, load_dcp_model
-from torchtitan_ext.transformer import FLAVORS
+from torchtitan_ext.transformer import FAMILY as TRANSFORMER
 
 FAMILIES = {
     "transformer": "train_configs.transformer:transformer_small",
@@ -99,7 +99,7 @@ def test_export_matches_native_and_round_trips_bit_for_bit(family, tokenizer_dir
     torch.save(x, tmp_path / "x.pt")
     hf = load_without_project(tmp_path / "hf", tmp_path / "x.pt", tmp_path)
     assert hf["project"] == []
-    shape = model.cfg if family != "transformer" else FLAVORS["small"]  # AutoConfig's standard fields
+    shape = model.cfg if family != "transformer" else TRANSFORMER.config("small")  # AutoConfig's standard fields
     assert hf["config"] == {"vocab_size": shape.vocab_size, "hidden_size": shape.dim, "num_hidden_layers": shape.n_layers}
     assert hf["class"] == ("LlamaForCausalLM" if family == "transformer" else "MemoryLMForCausalLM")
     with torch.no_grad():
@@ -117,9 +117,7 @@ def test_export_matches_native_and_round_trips_bit_for_bit(family, tokenizer_dir
 def test_a_transformers_llama_converts_to_dcp_and_back_with_identical_logits(tokenizer_dir, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from torchtitan_ext.transformer import FLAVORS
-
-    s = FLAVORS["small"]
+    s = TRANSFORMER.config("small")
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.dim, intermediate_size=s.ffn_hidden,
                                          num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads,

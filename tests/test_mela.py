@@ -34,13 +34,13 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 def test_decoder_block_equals_torchtitan_llama3_block():
     from torchtitan.models.common.attention import VarlenMetadata
 
-    from torchtitan_ext.transformer import FLAVORS, model_config
+    from torchtitan_ext.transformer import FAMILY, model_config
 
     torch.manual_seed(0)
     titan = model_config("debug", "cpu").build()
     titan.init_states()
     titan_block = titan.layers["0"]
-    s = FLAVORS["debug"]
+    s = FAMILY.config("debug")
     ours = DecoderBlock(s.dim, s.n_heads, s.n_kv_heads, s.ffn_hidden, rope_theta=500000, norm_eps=1e-5)
     ours.load_state_dict({k.replace("qkv_linear.", ""): v for k, v in titan_block.state_dict().items()})
     x = torch.randn(2, 24, s.dim)

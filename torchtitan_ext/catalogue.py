@@ -1,33 +1,31 @@
-"""`python -m torchtitan_ext.catalogue`: every config function in `train_configs/`, one line each."""
+"""`python -m torchtitan_ext.catalogue`: every registered family and its config functions, one line each."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import pkgutil
 
-import train_configs
+from torchtitan_ext.families import families
 
 
 def config_functions() -> dict[str, list[tuple[str, str]]]:
-    """{module: [(function, first docstring line)]} for the modules of train_configs."""
+    """{config module: [(function, first docstring line)]} of every registered family: the
+    module's public functions named after the family."""
     catalogue = {}
-    for info in pkgutil.iter_modules(train_configs.__path__):
-        module = importlib.import_module(f"train_configs.{info.name}")
-        prefix = info.name + "_"
-        functions = [
+    for family in families().values():
+        module = importlib.import_module(family.config_module)
+        catalogue[family.config_module] = [
             (name, (inspect.getdoc(fn) or "").split("\n")[0])
             for name, fn in inspect.getmembers(module, inspect.isfunction)
-            if name.startswith(prefix) and fn.__module__ == module.__name__
+            if name.startswith(family.name + "_") and fn.__module__ == module.__name__
         ]
-        if functions:
-            catalogue[f"train_configs.{info.name}"] = functions
     return catalogue
 
 
 def main() -> None:
+    summaries = {family.config_module: family.summary for family in families().values()}
     for module, functions in config_functions().items():
-        print(f"--module {module}")
+        print(f"--module {module}    # {summaries[module]}")
         for name, doc in functions:
             print(f"    --config {name:<22} {doc}")
 

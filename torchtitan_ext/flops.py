@@ -1,4 +1,5 @@
 """Training FLOPs per token of the plain-torch families, counting what runs (torchtitan's MFU).
+Each family's function here is its registry entry's `flops_per_token`.
 
 torchtitan's dense estimate (6N + attention) fits a Transformer, not a memory model: Mela's
 HMM runs at patch rate through H*L + H module steps (the first H-1 cycles forward only), and
@@ -120,9 +121,10 @@ def mela(cfg: MelaConfig, seq_len: int) -> float:
     return decoder + (hmm if cfg.memory_path else 0.0)
 
 
-FAMILIES = {TitansConfig: titans, MLPLMConfig: mlp_lm, MelaConfig: mela}
+def training_flops_per_token(config, seq_len: int, n_params: int) -> float:
+    """Training FLOPs per token of a plain model config: its family's count
+    (`Family.flops_per_token`), or the dense 6 x parameters where the family has none."""
+    from torchtitan_ext.families import family_of_config
 
-
-def training_flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token of a plain model config (TitansConfig, MLPLMConfig, MelaConfig)."""
-    return FAMILIES[type(config)](config, seq_len)
+    count = family_of_config(config).flops_per_token
+    return count(config, seq_len) if count else 6.0 * n_params

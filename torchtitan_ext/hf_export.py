@@ -24,47 +24,58 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.errors import UserError
+from torchtitan_ext.families import Family, family_of_spec
 from torchtitan_ext.paths import staged_folder
 
 REPO = Path(__file__).resolve().parents[1]
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-# family -> (module in models/, model class, config class, {config field: (module, dataclass)})
-REMOTE_FAMILIES = {
-    "mlp_lm": ("mlp_lm", "MLPLM", "MLPLMConfig", {}),
-    "titans": ("titans", "TitansLM", "TitansConfig", {"memory": ("neural_memory", "NeuralMemoryConfig")}),
-    "mela": ("mela", "Mela", "MelaConfig", {"memory": ("neural_memory", "NeuralMemoryConfig")}),
-}
-PROJECT_IMPORT = re.compile(r"^(\s*)from (models|kernels)((?:\.\w+)?) import ", re.MULTILINE)
+PROJECT_IMPORT = re.compile(r"^(\s*)from (models|kernels)((?:\.\w+)*) import ", re.MULTILINE)
 
 
-def family(spec_name: str) -> str:
-    """ModelSpec name -> export family: transformer, mlp_lm, titans (any variant), mela."""
-    name = "titans" if spec_name.startswith("titans_") else spec_name
-    if name != "transformer" and name not in REMOTE_FAMILIES:
-        raise UserError(f"model '{spec_name}' has no Hugging Face export")
-    return name
+def export_family(spec_name: str) -> Family:
+    """The registered family of a ModelSpec name, or UserError."""
+    try:
+        return family_of_spec(spec_name)
+    except ValueError as e:
+        raise UserError(f"model '{spec_name}' has no Hugging Face export: {e}") from None
 
 
 def flat_name(package: str, module: str) -> str:
-    """models.mela -> mela; kernels -> kernels; kernels.newton_schulz -> kernels_newton_schulz."""
-    if package == "models":
-        return module.lstrip(".")
-    return "kernels" + module.replace(".", "_")
+    """The export's file name (no .py) for `package` + `module`: models.mela -> mela;
+    models.grafts.lora -> grafts_lora; kernels -> kernels; kernels.newton_schulz -> kernels_newton_schulz."""
+    parts = [part for part in module.split(".") if part]
+    return "_".join(parts if package == "models" else ["kernels", *parts])
 
 
-def model_sources(module: str) -> dict[str, str]:
-    """{file name: source} of `models.<module>` and every project module it imports,
-    flattened into one folder with relative imports."""
-    sources, todo = {}, [("models", "." + module)]
+def project_file(package: str, module: str) -> Path:
+    """models/<a>/<b>.py (or the package's __init__.py) of `from <package><module> import`."""
+    base = REPO / package / Path(*[part for part in module.split(".") if part])
+    return base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+
+
+def class_module(cls: type) -> tuple[str, Path]:
+    """(export file name, source file) of the module defining `cls`: `models/` modules are
+    flattened (`flat_name`); a module elsewhere (a plugin, a test) keeps its own name."""
+    import inspect
+
+    package, _, module = cls.__module__.partition(".")
+    if package in ("models", "kernels"):
+        return flat_name(package, "." + module), Path(inspect.getsourcefile(cls))
+    return cls.__module__.rpartition(".")[2], Path(inspect.getsourcefile(cls))
+
+
+def model_sources(classes: list[type]) -> dict[str, str]:
+    """{file name: source} of the modules defining `classes` and every `models`/`kernels`
+    module they import (at any package depth), flattened into one folder with relative imports."""
+    sources, todo = {}, [class_module(cls) for cls in classes]
     while todo:
-        package, sub = todo.pop()
-        name = flat_name(package, sub)
+        name, path = todo.pop()
         if name + ".py" in sources:
             continue
-        path = REPO / package / (sub.lstrip(".") + ".py" if sub else "__init__.py")
         text = path.read_text()
-        todo += [(m.group(2), m.group(3)) for m in PROJECT_IMPORT.finditer(text)]
+        todo += [(flat_name(m.group(2), m.group(3)), project_file(m.group(2), m.group(3)))
+                 for m in PROJECT_IMPORT.finditer(text)]
         sources[name + ".py"] = PROJECT_IMPORT.sub(lambda m: f"{m.group(1)}from .{flat_name(m.group(2), m.group(3))} import ", text)
     return sources
 
@@ -98,16 +109,14 @@ def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 def _llama_config(spec):
     from transformers import LlamaConfig
 
-    from torchtitan_ext.transformer import FLAVORS
-
-    s = FLAVORS[spec.flavor]
+    s = export_family(spec.name).config(spec.flavor)
     return LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.dim, intermediate_size=s.ffn_hidden,
                        num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads, num_key_value_heads=s.n_kv_heads,
                        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=s.max_seq_len,
                        tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
-def _remote_code(name: str, plain_config, folder: Path):
+def _remote_code(family: Family, plain_config, folder: Path):
     """Write the remote code and return the HF config of a remote-code family."""
     import importlib.util
 
@@ -116,16 +125,17 @@ def _remote_code(name: str, plain_config, folder: Path):
     spec.loader.exec_module(configuration)
     MemoryLMConfig = configuration.MemoryLMConfig  # noqa: N806 (a class)
 
-    module, cls, config_cls, nested = REMOTE_FAMILIES[name]
-    for filename, text in model_sources(module).items():
+    nested = family.nested_configs()
+    for filename, text in model_sources([family.plain_class, family.config_class, *nested.values()]).items():
         (folder / filename).write_text(text)
-    lines = [f"from .{module} import {cls} as PlainModel, {config_cls} as PlainConfig"]
-    lines += [f"from .{m} import {c}" for m, c in nested.values()]
-    lines.append("NESTED = {" + ", ".join(f"{field!r}: {c}" for field, (_, c) in nested.items()) + "}")
+    lines = [f"from .{class_module(family.plain_class)[0]} import {family.plain_class.__name__} as PlainModel",
+             f"from .{class_module(family.config_class)[0]} import {family.config_class.__name__} as PlainConfig"]
+    lines += [f"from .{class_module(c)[0]} import {c.__name__}" for c in nested.values()]
+    lines.append("NESTED = {" + ", ".join(f"{field!r}: {c.__name__}" for field, c in nested.items()) + "}")
     (folder / "family.py").write_text('"""Which model this export holds (written by the exporter)."""\n\n' + "\n".join(lines) + "\n")
     for file in REMOTE_CODE.glob("*.py"):
         shutil.copy(file, folder / file.name)
-    config = MemoryLMConfig(family=name, model=dataclasses.asdict(plain_config), architectures=["MemoryLMForCausalLM"],
+    config = MemoryLMConfig(family=family.name, model=dataclasses.asdict(plain_config), architectures=["MemoryLMForCausalLM"],
                             tie_word_embeddings=bool(getattr(plain_config, "tie_embeddings", False)))
     config.auto_map = {"AutoConfig": "configuration_memory_lm.MemoryLMConfig",
                        "AutoModelForCausalLM": "modeling_memory_lm.MemoryLMForCausalLM"}
@@ -137,12 +147,12 @@ def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: st
     from transformers import GenerationConfig
 
     spec = trainer_config.model_spec
-    name = family(spec.name)
+    family = export_family(spec.name)
     with staged_folder(out) as staging:
         adapter = spec.state_dict_adapter(spec.model, None)
         state = {k: v.detach().clone() for k, v in adapter.to_hf(model.state_dict()).items()}
         save_safetensors(state, staging, max_shard_size)
-        config = _llama_config(spec) if name == "transformer" else _remote_code(name, model.cfg, staging)
+        config = _remote_code(family, model.cfg, staging) if family.remote_export else _llama_config(spec)
         config.save_pretrained(staging)
         GenerationConfig(do_sample=False, use_cache=False).save_pretrained(staging)
         tokenizer_dir = Path(trainer_config.hf_assets_path)
@@ -160,7 +170,7 @@ def import_weights(module: str, function: str, hf_folder: Path):
 
     meta, config = build_model(module, function, "meta")
     spec = config.model_spec
-    family(spec.name)
+    export_family(spec.name)
     state = spec.state_dict_adapter(spec.model, None).from_hf(load_safetensors(hf_folder))
     stored = {k: TensorStorageMetadata(None, v.shape, []) for k, v in state.items()}
     expected = meta.state_dict()

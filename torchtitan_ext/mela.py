@@ -22,10 +22,9 @@ narrower memory MLP, so those differ per flavor.
 
 from __future__ import annotations
 
-from torchtitan.protocols.model_spec import ModelSpec
-
 from models.mela import Mela, MelaConfig, mela_memory
-from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
+from torchtitan_ext.families import Family
+from torchtitan_ext import flops
 
 PAPER = dict(vocab_size=32000, h_layers=8, h_cycles=4, l_cycles=4, patch_size=32, chunk_size=64)
 FLAVORS = {
@@ -39,15 +38,6 @@ FLAVORS = {
                 memory=mela_memory(expansion=2)),
 }
 
-TorchtitanMela = torchtitan_model(Mela, MelaConfig)
-
-
-def model_config(flavor: str, **overrides) -> MelaConfig:
-    """The flavor's MelaConfig; `overrides` set any field (e.g. the ablation flags)."""
-    if flavor not in FLAVORS:
-        raise ValueError(f"unknown Mela flavor '{flavor}': choose one of {sorted(FLAVORS)}")
-    return MelaConfig(**(FLAVORS[flavor] | overrides))
-
-
-def model_spec(flavor: str, **overrides) -> ModelSpec:
-    return plain_model_spec("mela", flavor, TorchtitanMela, model_config(flavor, **overrides))
+FAMILY = Family(name="mela", summary="Mela: Transformer++ decoder reading a Hierarchical Memory Module (arXiv:2605.10537)",
+                flavors=FLAVORS, config_class=MelaConfig, plain_class=Mela, flops_per_token=flops.mela)
+model_config, model_spec = FAMILY.config, FAMILY.model_spec

@@ -10,20 +10,15 @@ Flavors (the paper says only "0.6B"; these shapes are ours):
 
 from __future__ import annotations
 
-from torchtitan.protocols.model_spec import ModelSpec
-
 from models.mlp_lm import MLPLM, MLPLMConfig
-from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
+from torchtitan_ext.families import Family
+from torchtitan_ext import flops
 
 FLAVORS = {
-    "debug": MLPLMConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=4, ffn_dim=1024),
-    "600m": MLPLMConfig(vocab_size=32000, dim=1280, n_layers=26, n_heads=20, ffn_dim=5120),
+    "debug": dict(vocab_size=4096, dim=256, n_layers=4, n_heads=4, ffn_dim=1024),
+    "600m": dict(vocab_size=32000, dim=1280, n_layers=26, n_heads=20, ffn_dim=5120),
 }
 
-TorchtitanMLPLM = torchtitan_model(MLPLM, MLPLMConfig)
-
-
-def model_spec(flavor: str) -> ModelSpec:
-    if flavor not in FLAVORS:
-        raise ValueError(f"unknown MLP-FFN LM flavor '{flavor}': choose one of {sorted(FLAVORS)}")
-    return plain_model_spec("mlp_lm", flavor, TorchtitanMLPLM, FLAVORS[flavor])
+FAMILY = Family(name="mlp_lm", summary="MLP-FFN LM: Transformer with a plain 2-layer MLP FFN (Locas' from-scratch base)",
+                flavors=FLAVORS, config_class=MLPLMConfig, plain_class=MLPLM, flops_per_token=flops.mlp_lm)
+model_config, model_spec = FAMILY.config, FAMILY.model_spec

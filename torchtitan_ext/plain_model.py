@@ -14,6 +14,7 @@ same for Hugging Face models):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan_ext.errors import UserError
 
 
+@functools.cache
 def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
     """The torchtitan model class for a plain decoder class and its config dataclass.
 
@@ -54,7 +56,8 @@ def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
             def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
                 from torchtitan_ext.flops import training_flops_per_token
 
-                return sum(p.numel() for p in model.parameters()), training_flops_per_token(self.model, seq_len)
+                n_params = sum(p.numel() for p in model.parameters())
+                return n_params, training_flops_per_token(self.model, seq_len, n_params)
 
         def __init__(self, config):
             plain_cls.__init__(self, config.model)

@@ -9,10 +9,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf)")
 TPS = re.compile(r"tps:\s*([0-9,]+)")
 MFU = re.compile(r"mfu:\s*([0-9.]+%|N/A)")
+TFLOPS = re.compile(r"tflops:\s*([0-9.]+)")
 
 
 def parse_steps(text: str) -> dict[int, dict[str, float]]:
-    """Log text -> {step: {"loss", and "tps", "mfu" (percent; nan when N/A) where logged}}."""
+    """Log text -> {step: {"loss", and "tps", "tflops", "mfu" (percent; nan when N/A) where logged}}."""
     steps = {}
     for line in ANSI.sub("", text).splitlines():
         match = STEP.search(line)
@@ -21,6 +22,8 @@ def parse_steps(text: str) -> dict[int, dict[str, float]]:
         entry = {"loss": float(match.group(2))}
         if tps := TPS.search(line):
             entry["tps"] = float(tps.group(1).replace(",", ""))
+        if tflops := TFLOPS.search(line):
+            entry["tflops"] = float(tflops.group(1))
         if mfu := MFU.search(line):
             entry["mfu"] = float(mfu.group(1)[:-1]) if mfu.group(1).endswith("%") else math.nan
         steps[int(match.group(1))] = entry

@@ -17,11 +17,10 @@ vs MAL's extra norm; LMM has no attention):
 
 from __future__ import annotations
 
-from torchtitan.protocols.model_spec import ModelSpec
-
 from models.neural_memory import NeuralMemoryConfig
 from models.titans import TitansConfig, TitansLM, VARIANTS
-from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
+from torchtitan_ext.families import Family
+from torchtitan_ext import flops
 
 # Recomputing groups of 4 chunks in backward keeps 4.9x fewer bytes per token for ~17% more
 # memory-layer time (scripts/bench_memory.py): 760m at B=8 x T=4K keeps 63 GiB instead of 306 GiB.
@@ -34,12 +33,7 @@ FLAVORS = {
     "760m": dict(PAPER, dim=1536, n_layers=17, n_heads=24),
 }
 
-TorchtitanTitansLM = torchtitan_model(TitansLM, TitansConfig)
-
-
-def model_spec(variant: str, flavor: str) -> ModelSpec:
-    if flavor not in FLAVORS:
-        raise ValueError(f"unknown Titans flavor '{flavor}': choose one of {sorted(FLAVORS)}")
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown Titans variant '{variant}': choose one of {VARIANTS}")
-    return plain_model_spec(f"titans_{variant}", flavor, TorchtitanTitansLM, TitansConfig(variant=variant, **FLAVORS[flavor]))
+FAMILY = Family(name="titans", summary="Titans: neural long-term memory as context (MAC), gate (MAG), layer (MAL), "
+                "or alone (LMM) (arXiv:2501.00663)", flavors=FLAVORS, config_class=TitansConfig, plain_class=TitansLM,
+                variant_field="variant", variants=VARIANTS, flops_per_token=flops.titans)
+model_config, model_spec = FAMILY.config, FAMILY.model_spec

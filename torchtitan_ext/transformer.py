@@ -35,10 +35,13 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_ext.attention import auto_attention_backend, use_cpu_attention
 from torchtitan_ext.cpu import has_accelerator
+from torchtitan_ext.families import Family
 
 
 @dataclass(frozen=True)
 class Shape:
+    """A flavor's sizes (the fields its torchtitan Llama3Model.Config is built from)."""
+
     dim: int
     n_layers: int
     n_heads: int
@@ -49,24 +52,22 @@ class Shape:
 
 
 FLAVORS = {
-    "debug": Shape(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, vocab_size=4096),
-    "small": Shape(dim=128, n_layers=7, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=4096),
-    "400m": Shape(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
-    "800m": Shape(dim=1536, n_layers=27, n_heads=16, n_kv_heads=8, ffn_hidden=4096),
-    "1b2": Shape(dim=2048, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=5888),
+    "debug": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, vocab_size=4096),
+    "small": dict(dim=128, n_layers=7, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=4096),
+    "400m": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
+    "800m": dict(dim=1536, n_layers=27, n_heads=16, n_kv_heads=8, ffn_hidden=4096),
+    "1b2": dict(dim=2048, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=5888),
     # Parameter-matched peers of the Mela flavors (their totals within 2%).
-    "mela_400m_peer": Shape(dim=1024, n_layers=21, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
-    "mela_800m_peer": Shape(dim=1536, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=4224),
-    "mela_1b2_peer": Shape(dim=2048, n_layers=18, n_heads=16, n_kv_heads=8, ffn_hidden=6144),
+    "mela_400m_peer": dict(dim=1024, n_layers=21, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
+    "mela_800m_peer": dict(dim=1536, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=4224),
+    "mela_1b2_peer": dict(dim=2048, n_layers=18, n_heads=16, n_kv_heads=8, ffn_hidden=6144),
 }
 
 
 def model_config(flavor: str, attn_backend: str = "auto") -> Llama3Model.Config:
     """torchtitan Llama3Model config for a flavor. attn_backend: "auto"
     (`auto_attention_backend`), "cpu", or any torchtitan backend name (flex, flex_flash, varlen)."""
-    if flavor not in FLAVORS:
-        raise ValueError(f"unknown Transformer++ flavor '{flavor}': choose one of {sorted(FLAVORS)}")
-    s = FLAVORS[flavor]
+    s = FAMILY.config(flavor)
     if attn_backend == "auto":
         attn_backend = auto_attention_backend(has_accelerator())
     config = Llama3Model.Config(
@@ -100,3 +101,7 @@ def model_spec(flavor: str, attn_backend: str = "auto") -> ModelSpec:
         post_optimizer_build_fn=None,
         state_dict_adapter=Llama3StateDictAdapter,
     )
+
+
+FAMILY = Family(name="transformer", summary="Transformer++ baseline: torchtitan's llama3 (RMSNorm, SwiGLU, RoPE, GQA)",
+                flavors=FLAVORS, config_class=Shape, build_spec=model_spec)

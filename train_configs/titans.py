@@ -11,7 +11,7 @@ from train_configs.recipe import debug_recipe, paper_recipe
 
 
 def _debug(variant: str) -> Trainer.Config:
-    config = debug_recipe(model_spec(variant, "debug"), name=f"titans_{variant}_debug")
+    config = debug_recipe(model_spec("debug", variant=variant), name=f"titans_{variant}_debug")
     # Selective AC recomputes the memory's inner loop: 2.5x slower on CPU, and the debug
     # model needs no memory saving (`activation-checkpoint:selective` turns it back on).
     config.activation_checkpoint = None
@@ -19,7 +19,7 @@ def _debug(variant: str) -> Trainer.Config:
 
 
 def _paper(variant: str, flavor: str) -> Trainer.Config:
-    return paper_recipe(model_spec(variant, flavor), name=f"titans_{variant}_{flavor}", lr=1e-3)
+    return paper_recipe(model_spec(flavor, variant=variant), name=f"titans_{variant}_{flavor}", lr=1e-3)
 
 
 def titans_mac_debug() -> Trainer.Config:
