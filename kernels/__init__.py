@@ -19,9 +19,7 @@ import importlib
 
 import torch
 
-from kernels.memory_update import memory_update_reference
-from kernels.newton_schulz import MUON_COEFFICIENTS
-from kernels.newton_schulz import newton_schulz as newton_schulz_reference
+from kernels.reference import MUON_COEFFICIENTS, memory_update_reference, newton_schulz_reference
 
 BACKENDS = ("auto", "triton", "triton_blocked", "torch", "compiled")  # newton_schulz
 MEMORY_UPDATE_BACKENDS = tuple(b for b in BACKENDS if b != "triton_blocked")
@@ -80,7 +78,7 @@ def newton_schulz(x: torch.Tensor, steps: int = 5, backend: str = "auto", coeffi
 
 
 def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: str = "auto", step_scale: float = 1.0):
-    """(new weight, new momentum) of one chunk step; see kernels/memory_update.py."""
+    """(new weight, new momentum) of one chunk step; see kernels/reference.py."""
     backend = _resolve("memory_update", backend, weight, MEMORY_UPDATE_BACKENDS)
     if backend == "triton":
         return _triton("memory_update").memory_update_triton(weight.contiguous(), momentum.contiguous(),

@@ -1,7 +1,7 @@
 """Triton kernels for Newton-Schulz orthogonalisation and the fused memory-update step.
 
 Matrices are read oriented so that rows <= cols, tall ones through swapped strides (no
-transpose copies). Two Newton-Schulz paths (`kernels/newton_schulz.py` states the iteration):
+transpose copies). Two Newton-Schulz paths (`kernels/reference.py` states the iteration):
 
 - Per matrix (`newton_schulz_triton`, and the fused update): one program per matrix (rows
   <= 128, cols <= 512, the sizes of the memories' fast weights) runs the Frobenius
@@ -12,7 +12,7 @@ transpose copies). Two Newton-Schulz paths (`kernels/newton_schulz.py` states th
   fp32 matrix as one tile needed 262,168 bytes of shared memory on an H100 (limit
   232,448). For small matrices the launches and round trips of a per-step path cost more
   than the arithmetic, so one launch for the whole iteration wins. The fused update
-  (`kernels/memory_update.py` states it) also reads the weight, momentum and gradient and
+  (`kernels/reference.py` states it) also reads the weight, momentum and gradient and
   writes the new weight and momentum in the same program.
 - Blocked (`newton_schulz_blocked`, any size): per step two Gram products by
   `_symmetric_gram_kernel`, A = X X^T and B = b A + c A A^T (A is symmetric, so A^2 = A A^T
@@ -39,8 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.memory_update import memory_update_reference
-from kernels.newton_schulz import MUON_COEFFICIENTS, coefficient_schedule, newton_schulz
+from kernels.reference import MUON_COEFFICIENTS, coefficient_schedule, memory_update_reference, newton_schulz_reference
 
 MAX_ROWS, MAX_COLS = 128, 512  # per-matrix path
 # fp32 dots: three TF32 tensor-core products (about fp32 accuracy). "ieee" lowers a tile dot
@@ -285,7 +284,7 @@ class _NewtonSchulz(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
-            (dx,) = torch.autograd.grad(newton_schulz(leaf, ctx.steps, ctx.coefficients), leaf, grad)
+            (dx,) = torch.autograd.grad(newton_schulz_reference(leaf, ctx.steps, ctx.coefficients), leaf, grad)
         return dx, None, None, None
 
 
@@ -318,7 +317,7 @@ class _MemoryUpdate(torch.autograd.Function):
 
 
 def newton_schulz_triton(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
-    """Same contract as `kernels.newton_schulz.newton_schulz`, on a Triton device (or under
+    """Same contract as `kernels.reference.newton_schulz_reference`, on a Triton device (or under
     TRITON_INTERPRET=1 on CPU). x (..., rows, cols), contiguous, fp32 or bf16, each matrix
     within MAX_ROWS x MAX_COLS (either orientation): the per-matrix kernel."""
     _check("newton_schulz_triton: x", x)
@@ -336,6 +335,6 @@ def newton_schulz_blocked(x: torch.Tensor, steps: int = 5, coefficients=MUON_COE
 
 def memory_update_triton(weight, momentum, grad, eta, alpha, steps: int, step_scale: float = 1.0,
                          coefficients=MUON_COEFFICIENTS):
-    """Same contract as `kernels.memory_update.memory_update_reference`, fused in one kernel."""
+    """Same contract as `kernels.reference.memory_update_reference`, fused in one kernel."""
     return _MemoryUpdate.apply(weight, momentum, grad, eta, alpha, steps, step_scale,
                                coefficient_schedule(coefficients, steps))

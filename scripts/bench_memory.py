@@ -31,7 +31,7 @@ import torch
 import torch._inductor.config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.neural_memory import NeuralMemory, NeuralMemoryConfig
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 from torchtitan_ext import titans
 from torchtitan_ext.cpu import measured_matmul_flops
 

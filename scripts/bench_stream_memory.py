@@ -24,7 +24,7 @@ def measure(mode: str, length: int) -> dict:
     """In this process: read `length` tokens in `mode`, return peak RSS (MiB) and seconds."""
     import torch
 
-    from models.mela import Mela
+    from models.lms.mela import Mela
     from torchtitan_ext.mela import model_config
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ Checks (each prints one PASS/FAIL line with its measured figure; exit 1 if any f
               forward + backward in fp32 and bf16, eager and torch.compile'd: finite loss
               and gradients; compiled vs eager fp32 logits within 1e-3 relative (max |diff| /
               max |logit|).
-  attention   flex-attention block masks (CUDA path of models/attention.py) vs dense SDPA with
+  attention   flex-attention block masks (CUDA path of models/layers/attention.py) vs dense SDPA with
               the same mask (Titans' sliding-window and MAC masks, document masks): 1e-3 rel.
   kernels     Triton Newton-Schulz (per matrix, blocked) and the fused memory update vs the
               torch references, fp32 (1e-3 rel) and bf16 (3e-2 rel).
@@ -68,10 +68,10 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) 
 
 def build_family(family: str) -> tuple[torch.nn.Module, callable]:
     """(small model of the family, logits(model, tokens))."""
-    from models.mela import Mela, MelaConfig, mela_memory
-    from models.mlp_lm import MLPLM, MLPLMConfig
-    from models.neural_memory import NeuralMemoryConfig
-    from models.titans import TitansConfig, TitansLM
+    from models.lms.mela import Mela, MelaConfig, mela_memory
+    from models.lms.mlp_lm import MLPLM, MLPLMConfig
+    from models.memory.neural_memory import NeuralMemoryConfig
+    from models.lms.titans import TitansConfig, TitansLM
 
     torch.manual_seed(0)
     if family.startswith("titans_"):
@@ -139,8 +139,8 @@ def dense_reference(q, k, v, mask_mod):
 
 
 def check_attention(device: str) -> list[Result]:
-    from models.attention import document_causal_attention, document_causal_mask, document_ids, masked_attention
-    from models.titans import mac_mask, prefix_window_mask
+    from models.layers.attention import document_causal_attention, document_causal_mask, document_ids, masked_attention
+    from models.lms.titans import mac_mask, prefix_window_mask
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 4, 256, 64, generator=g).to(device) for _ in range(3))

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 
-from models.neural_memory import NeuralMemoryConfig
-from models.titans import TitansConfig, TitansLM
+from models.memory.neural_memory import NeuralMemoryConfig
+from models.lms.titans import TitansConfig, TitansLM
 
 VALUES, FILLER = 16, 32
 BOS, QUERY = VALUES + FILLER, VALUES + FILLER + 1

@@ -5,7 +5,7 @@
 
 import torch
 
-from models.mela import Mela, parameter_groups
+from models.lms.mela import Mela, parameter_groups
 from torchtitan_ext import mela
 from torchtitan_ext.families import families
 

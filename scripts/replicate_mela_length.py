@@ -57,7 +57,7 @@ class Variant:
 
 def mela_variant(name: str, **fields) -> Variant:
     def build(seed: int):
-        from models.mela import Mela
+        from models.lms.mela import Mela
         from torchtitan_ext.mela import model_config
 
         torch.manual_seed(seed)

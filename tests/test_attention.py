@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
-from models.attention import _flex_document_attention, document_causal_attention, document_ids
+from models.layers.attention import _flex_document_attention, document_causal_attention, document_ids
 from torchtitan_ext.attention import DocumentCausalSDPA
 
 
@@ -86,8 +86,8 @@ def test_backend_choice_follows_device_and_flash_attn(monkeypatch):
 
 @pytest.mark.parametrize("mask_name", ["window", "mac"])
 def test_masked_attention_flex_path_matches_dense_path(mask_name):
-    from models.attention import _flex_masked_attention, masked_attention
-    from models.titans import mac_mask, prefix_window_mask
+    from models.layers.attention import _flex_masked_attention, masked_attention
+    from models.lms.titans import mac_mask, prefix_window_mask
 
     g = torch.Generator().manual_seed(3)
     mask_mod, kv_len = {"window": (prefix_window_mask(4, 16), 4 + 128), "mac": (mac_mask(4, 64), 4 + 128)}[mask_name]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench_memory import main, ops_per_chunk, saved_bytes
-from models.neural_memory import NeuralMemory, NeuralMemoryConfig
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
 SMALL = dict(dim=32, n_heads=2, head_dim=16, chunk_size=4)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.mela import Mela
+from models.lms.mela import Mela
 from torchtitan_ext import flops, mela, titans
 from torchtitan_ext.families import families
 

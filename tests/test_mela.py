@@ -1,4 +1,4 @@
-"""Mela (models/mela.py): decoder parity with torchtitan's llama3 block, causality, the
+"""Mela (models/lms/mela.py): decoder parity with torchtitan's llama3 block, causality, the
 recursion's gradient path, MemStack, streaming, memory use, Table 1 parameter shares."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import streamed
-from models.mela import Mela, MelaConfig, mela_memory
-from models.transformer import DecoderBlock
+from models.lms.mela import Mela, MelaConfig, mela_memory
+from models.layers.decoder import DecoderBlock
 
 SMALL = dict(vocab_size=64, dim=32, n_layers=3, n_heads=2, memory_heads=2, patch_size=2, chunk_size=4,
              memory=mela_memory(expansion=2))  # chunks of 8 text tokens + 4 memory tokens
@@ -121,7 +121,7 @@ def test_memory_writes_train_at_the_papers_two_chunks_per_sequence():
 
 
 def test_diagnostics_cover_every_memory_block_cycle_and_decoder_layer():
-    from models.mela import mela_diagnostics
+    from models.lms.mela import mela_diagnostics
 
     model = small_model(h_cycles=3)
     model(tokens(2, 24))

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from models.neural_memory import NeuralMemory, NeuralMemoryConfig
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
 CHUNK, CHUNKS = 4, 64
 

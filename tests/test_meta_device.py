@@ -2,7 +2,7 @@
 device, in fp32 and bf16, so a tensor made on the CPU inside a model (a module-level
 constant, an `arange` without `device=`) fails here as it would on a GPU.
 
-The meta device takes the non-CUDA branches of `models/attention.py` (dense SDPA masks):
+The meta device takes the non-CUDA branches of `models/layers/attention.py` (dense SDPA masks):
 flex attention's block masks need real CUDA tensors, so the GPU attention path is checked
 by `scripts/gpu_check.sh` on a GPU. Titans and Mela also stream on meta; the neural memory's
 fast-weight state must come out float32 under a bf16 model. A new family is one line of
@@ -16,10 +16,10 @@ import torch
 from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
 from kernels import memory_update, newton_schulz
-from models.mela import Mela, MelaConfig, mela_memory
-from models.mlp_lm import MLPLM, MLPLMConfig
-from models.neural_memory import NeuralMemoryConfig
-from models.titans import TitansConfig, TitansLM, VARIANTS
+from models.lms.mela import Mela, MelaConfig, mela_memory
+from models.lms.mlp_lm import MLPLM, MLPLMConfig
+from models.memory.neural_memory import NeuralMemoryConfig
+from models.lms.titans import TitansConfig, TitansLM, VARIANTS
 from torchtitan_ext import transformer
 
 VOCAB, LENGTH = 64, 40

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
-from models.mlp_lm import MLPLM, MLPLMConfig
+from models.lms.mlp_lm import MLPLM, MLPLMConfig
 from param_counts import param_count
 from torchtitan_ext import mlp_lm, transformer
 from torchtitan_ext.plain_model import WrapperStateDictAdapter

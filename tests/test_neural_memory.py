@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.newton_schulz import newton_schulz
-from models.neural_memory import (
+from kernels.reference import newton_schulz_reference
+from models.memory.neural_memory import (
     associative_grads,
     chunked_memory,
     MemoryState,
@@ -110,7 +110,7 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                 summed = [sum(theta[b, t, h] * grads[t][i] for t in tokens) for i in range(len(weights))]
                 eta_c, alpha_c = eta[b, list(tokens), h].mean(), alpha[b, list(tokens), h].mean()
                 momentum = [eta_c * s - g for s, g in zip(momentum, summed)]
-                step = [newton_schulz(s, cfg.newton_schulz_steps) if cfg.newton_schulz_steps else s for s in momentum]
+                step = [newton_schulz_reference(s, cfg.newton_schulz_steps) if cfg.newton_schulz_steps else s for s in momentum]
                 weights = [(1 - alpha_c) * w + s for w, s in zip(weights, step)]
             if cfg.read_after_write:
                 for t in tokens:
@@ -286,9 +286,9 @@ def test_newton_schulz_matches_muon_and_pushes_singular_values_to_one():
     for _ in range(5):  # the published Muon iteration, written out
         a = expected @ expected.mT
         expected = 3.4445 * expected + (-4.7750 * a + 2.0315 * a @ a) @ expected
-    torch.testing.assert_close(newton_schulz(x, 5), expected)
-    torch.testing.assert_close(newton_schulz(x.mT, 5), expected.mT)  # tall input: transposed
-    s = torch.linalg.svdvals(newton_schulz(x, 5))
+    torch.testing.assert_close(newton_schulz_reference(x, 5), expected)
+    torch.testing.assert_close(newton_schulz_reference(x.mT, 5), expected.mT)  # tall input: transposed
+    s = torch.linalg.svdvals(newton_schulz_reference(x, 5))
     assert s.min() > 0.6 and s.max() < 1.25
     before = torch.linalg.svdvals(x / torch.linalg.matrix_norm(x, keepdim=True))
     assert (s - 1).abs().max() < (before - 1).abs().max()

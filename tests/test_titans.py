@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import streamed
-from models.neural_memory import NeuralMemoryConfig
-from models.titans import mac_mask, prefix_window_mask, TitansConfig, TitansLM, VARIANTS
+from models.memory.neural_memory import NeuralMemoryConfig
+from models.lms.titans import mac_mask, prefix_window_mask, TitansConfig, TitansLM, VARIANTS
 from param_counts import param_count
 
 VOCAB = 50
@@ -119,7 +119,7 @@ def test_paper_flavors_have_the_claimed_size(flavor, claimed):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_memory_diagnostics_cover_every_layer(variant):
-    from models.titans import memory_diagnostics
+    from models.lms.titans import memory_diagnostics
 
     model = tiny(variant)
     model(torch.randint(0, VOCAB, (2, 20)))

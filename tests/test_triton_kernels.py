@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.newton_schulz import newton_schulz
+from kernels.reference import newton_schulz_reference
 
 # interpreted on CPU: see conftest.py
 from kernels.triton_kernels import newton_schulz_triton
@@ -21,7 +21,7 @@ SHAPES = [(3, 16, 16), (2, 20, 48), (2, 48, 20), (4, 2, 17, 33), (1, 64, 256), (
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_forward_matches_reference(shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    torch.testing.assert_close(newton_schulz_triton(x, 5), newton_schulz(x, 5), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(newton_schulz_triton(x, 5), newton_schulz_reference(x, 5), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
@@ -30,7 +30,7 @@ def test_backward_matches_autograd_through_reference(shape):
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     leaf_kernel, leaf_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
     newton_schulz_triton(leaf_kernel, 5).backward(grad)
-    newton_schulz(leaf_ref, 5).backward(grad)
+    newton_schulz_reference(leaf_ref, 5).backward(grad)
     scale = leaf_ref.grad.abs().max()
     torch.testing.assert_close(leaf_kernel.grad / scale, leaf_ref.grad / scale, atol=1e-4, rtol=0)
 
@@ -39,7 +39,7 @@ def test_bf16_input_accumulates_in_fp32():
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     out = newton_schulz_triton(x.bfloat16(), 5)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), newton_schulz(x, 5), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), newton_schulz_reference(x, 5), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -54,7 +54,7 @@ def test_bad_input_names_the_argument(bad, message):
 
 
 def test_memory_module_gives_the_same_outputs_and_gradients_on_both_paths():
-    from models.neural_memory import NeuralMemory, NeuralMemoryConfig
+    from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
     results = []
     for backend in ("torch", "triton"):
@@ -71,7 +71,7 @@ def test_memory_module_gives_the_same_outputs_and_gradients_on_both_paths():
 
 def test_bf16_memory_keeps_float32_state_through_the_triton_kernel():
     """The fused update kernel loads and stores the fast weights in float32 under a bf16 model."""
-    from models.neural_memory import NeuralMemory, NeuralMemoryConfig
+    from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
     states = []
     for backend in ("torch", "triton"):
@@ -106,7 +106,7 @@ def update_inputs(shape, seed=4):
 @pytest.mark.parametrize("steps,step_scale", [(0, 1.0), (5, 1.0), (5, 0.25)])
 @pytest.mark.parametrize("shape", UPDATE_SHAPES, ids=str)
 def test_fused_memory_update_matches_reference(shape, steps, step_scale):
-    from kernels.memory_update import memory_update_reference
+    from kernels.reference import memory_update_reference
     from kernels.triton_kernels import memory_update_triton
 
     inputs = update_inputs(shape)
@@ -117,7 +117,7 @@ def test_fused_memory_update_matches_reference(shape, steps, step_scale):
 
 def test_step_scale_scales_only_the_orthogonalised_step():
     """M' = (1 - alpha) M + lr NS(S'): the retained weight and the momentum do not depend on lr."""
-    from kernels.memory_update import memory_update_reference
+    from kernels.reference import memory_update_reference
 
     weight, momentum, grad, eta, alpha = (t.cpu().double() for t in update_inputs((2, 3, 16, 32)))
     retained = (1 - alpha)[..., None, None] * weight
@@ -130,7 +130,7 @@ def test_step_scale_scales_only_the_orthogonalised_step():
 
 @pytest.mark.parametrize("shape", UPDATE_SHAPES[:2], ids=str)
 def test_fused_memory_update_backward_matches_autograd(shape):
-    from kernels.memory_update import memory_update_reference
+    from kernels.reference import memory_update_reference
     from kernels.triton_kernels import memory_update_triton
 
     grads = []
@@ -158,19 +158,19 @@ def test_fused_memory_update_bad_input_names_the_argument(break_input, message):
 
 
 def test_coefficient_schedules_match_between_kernel_and_reference():
-    from kernels.newton_schulz import LACT_SCHEDULE
+    from kernels.reference import LACT_SCHEDULE
 
     x = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    torch.testing.assert_close(newton_schulz_triton(x, 5, LACT_SCHEDULE), newton_schulz(x, 5, LACT_SCHEDULE), atol=1e-4, rtol=1e-4)
-    assert (newton_schulz(x, 5, LACT_SCHEDULE) - newton_schulz(x, 5)).abs().max() > 1e-3  # the schedule is used
+    torch.testing.assert_close(newton_schulz_triton(x, 5, LACT_SCHEDULE), newton_schulz_reference(x, 5, LACT_SCHEDULE), atol=1e-4, rtol=1e-4)
+    assert (newton_schulz_reference(x, 5, LACT_SCHEDULE) - newton_schulz_reference(x, 5)).abs().max() > 1e-3  # the schedule is used
     with pytest.raises(ValueError, match="3 triples for 5 steps"):
-        newton_schulz(x, 5, LACT_SCHEDULE[:3])
+        newton_schulz_reference(x, 5, LACT_SCHEDULE[:3])
 
 
 @pytest.mark.slow
 def test_compiled_torch_path_matches_eager_reference():
     from kernels import memory_update
-    from kernels.memory_update import memory_update_reference
+    from kernels.reference import memory_update_reference
 
     inputs = update_inputs((2, 2, 16, 32))
     for got, want in zip(memory_update(*inputs, 5, backend="compiled"), memory_update_reference(*inputs, 5)):
@@ -196,16 +196,16 @@ def blocked(x, steps=2, coefficients=None):
 @pytest.mark.parametrize("shape", BLOCKED_SHAPES, ids=str)
 def test_blocked_forward_matches_reference(shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    torch.testing.assert_close(blocked(x), newton_schulz(x, 2), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(blocked(x), newton_schulz_reference(x, 2), atol=1e-4, rtol=1e-4)
 
 
 def test_blocked_path_has_no_size_limit_and_follows_the_schedule():
-    from kernels.newton_schulz import LACT_SCHEDULE
+    from kernels.reference import LACT_SCHEDULE
     from kernels.triton_kernels import newton_schulz_blocked
 
     x = torch.randn(130, 520, generator=torch.Generator().manual_seed(8)).to(DEVICE)  # over MAX_ROWS x MAX_COLS
     schedule = LACT_SCHEDULE[:1]
-    torch.testing.assert_close(newton_schulz_blocked(x, 1, schedule), newton_schulz(x, 1, schedule), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(newton_schulz_blocked(x, 1, schedule), newton_schulz_reference(x, 1, schedule), atol=1e-4, rtol=1e-4)
 
 
 def test_blocked_backward_matches_autograd_through_reference():
@@ -213,7 +213,7 @@ def test_blocked_backward_matches_autograd_through_reference():
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     leaf_kernel, leaf_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
     blocked(leaf_kernel).backward(grad)
-    newton_schulz(leaf_ref, 2).backward(grad)
+    newton_schulz_reference(leaf_ref, 2).backward(grad)
     scale = leaf_ref.grad.abs().max()
     torch.testing.assert_close(leaf_kernel.grad / scale, leaf_ref.grad / scale, atol=1e-4, rtol=0)
 
@@ -222,7 +222,7 @@ def test_blocked_bf16_input_accumulates_in_fp32():
     x = torch.randn(1, 33, 40, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     out = blocked(x.bfloat16())
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), newton_schulz(x, 2), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), newton_schulz_reference(x, 2), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("shape,dtype", [((2, 40, 70), torch.float32), ((3, 70, 40), torch.float32),
@@ -279,7 +279,7 @@ def test_dispatch_forces_the_blocked_path(monkeypatch):
 
     calls = spy_on_blocked(monkeypatch)
     x = torch.randn(1, 16, 24, generator=torch.Generator().manual_seed(15)).to(DEVICE)
-    torch.testing.assert_close(dispatch(x, 1, backend="triton_blocked"), newton_schulz(x, 1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dispatch(x, 1, backend="triton_blocked"), newton_schulz_reference(x, 1), atol=1e-4, rtol=1e-4)
     assert len(calls) == 1
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.transformer import DecoderBlock
+from models.layers.decoder import DecoderBlock
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
 
-from models.attention import document_causal_mask
+from models.layers.attention import document_causal_mask
 
 
 def document_ids_from_offsets(cu_seq: torch.Tensor, batch: int, length: int) -> torch.Tensor:

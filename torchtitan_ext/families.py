@@ -29,7 +29,9 @@ class Family:
     config_class: the plain config dataclass; plain_class: the `models/` module class a
     remote-code export ships (None: the family exports as a `transformers` Llama and builds
     its spec with `build_spec`); flops_per_token(config, seq_len): training FLOPs per
-    token (None: 6 x parameters); config_module: the `train_configs` module."""
+    token (None: 6 x parameters); diagnostics(model): `memory/...` metrics of the last
+    forward, found through wrappers (logged by `MemoryTrainer`); config_module: the
+    `train_configs` module."""
 
     name: str
     summary: str
@@ -40,6 +42,7 @@ class Family:
     variant_field: str | None = None
     variants: tuple[str, ...] = ()
     flops_per_token: Callable | None = None
+    diagnostics: Callable | None = None
     config_module: str = ""
 
     def __post_init__(self):

@@ -16,10 +16,10 @@ tests/test_flops.py checks each count against torch's FlopCounterMode over a tra
 
 from __future__ import annotations
 
-from models.mela import MelaConfig
-from models.mlp_lm import MLPLMConfig
-from models.neural_memory import NeuralMemoryConfig
-from models.titans import TitansConfig
+from models.lms.mela import MelaConfig
+from models.lms.mlp_lm import MLPLMConfig
+from models.memory.neural_memory import NeuralMemoryConfig
+from models.lms.titans import TitansConfig
 
 TRAIN, FORWARD_ONLY = 3, 1
 

@@ -42,8 +42,8 @@ def export_family(spec_name: str) -> Family:
 
 
 def flat_name(package: str, module: str) -> str:
-    """The export's file name (no .py) for `package` + `module`: models.mela -> mela;
-    models.grafts.lora -> grafts_lora; kernels -> kernels; kernels.newton_schulz -> kernels_newton_schulz."""
+    """The export's file name (no .py) for `package` + `module`: models.lms.mela -> mela;
+    models.grafts.lora -> grafts_lora; kernels -> kernels; kernels.reference -> kernels_reference."""
     parts = [part for part in module.split(".") if part]
     return "_".join(parts if package == "models" else ["kernels", *parts])
 

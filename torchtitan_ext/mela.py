@@ -1,4 +1,4 @@
-"""torchtitan spec for Mela (`models/mela.py`).
+"""torchtitan spec for Mela (`models/lms/mela.py`).
 
 Table 1 of the paper fixes H = L = 4 cycles, H-/L-module depths, HMM and decoder hidden
 sizes, P = 32, C = 64 and the memory / language shares of the parameters; it leaves the
@@ -22,7 +22,7 @@ narrower memory MLP, so those differ per flavor.
 
 from __future__ import annotations
 
-from models.mela import Mela, MelaConfig, mela_memory
+from models.lms.mela import Mela, MelaConfig, mela_diagnostics, mela_memory
 from torchtitan_ext.families import Family
 from torchtitan_ext import flops
 
@@ -39,5 +39,6 @@ FLAVORS = {
 }
 
 FAMILY = Family(name="mela", summary="Mela: Transformer++ decoder reading a Hierarchical Memory Module (arXiv:2605.10537)",
-                flavors=FLAVORS, config_class=MelaConfig, plain_class=Mela, flops_per_token=flops.mela)
+                flavors=FLAVORS, config_class=MelaConfig, plain_class=Mela, flops_per_token=flops.mela,
+                diagnostics=mela_diagnostics)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec

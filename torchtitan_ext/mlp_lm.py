@@ -1,4 +1,4 @@
-"""torchtitan spec for the MLP-FFN LM of `models/mlp_lm.py`.
+"""torchtitan spec for the MLP-FFN LM of `models/lms/mlp_lm.py`.
 
 Flavors (the paper says only "0.6B"; these shapes are ours):
 
@@ -10,7 +10,7 @@ Flavors (the paper says only "0.6B"; these shapes are ours):
 
 from __future__ import annotations
 
-from models.mlp_lm import MLPLM, MLPLMConfig
+from models.lms.mlp_lm import MLPLM, MLPLMConfig
 from torchtitan_ext.families import Family
 from torchtitan_ext import flops
 

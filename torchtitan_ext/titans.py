@@ -1,4 +1,4 @@
-"""torchtitan specs for the Titans models of `models/titans.py` (MAC, MAG, MAL, LMM).
+"""torchtitan specs for the Titans models of `models/lms/titans.py` (MAC, MAG, MAL, LMM).
 
 The Titans paper names sizes (170M, 400M, 760M) but not shapes. Ours: 32K vocabulary,
 untied embeddings, head_dim 64, SwiGLU FFN, memory depth 2 with expansion 4, window
@@ -17,8 +17,8 @@ vs MAL's extra norm; LMM has no attention):
 
 from __future__ import annotations
 
-from models.neural_memory import NeuralMemoryConfig
-from models.titans import TitansConfig, TitansLM, VARIANTS
+from models.memory.neural_memory import NeuralMemoryConfig
+from models.lms.titans import memory_diagnostics, TitansConfig, TitansLM, VARIANTS
 from torchtitan_ext.families import Family
 from torchtitan_ext import flops
 
@@ -35,5 +35,6 @@ FLAVORS = {
 
 FAMILY = Family(name="titans", summary="Titans: neural long-term memory as context (MAC), gate (MAG), layer (MAL), "
                 "or alone (LMM) (arXiv:2501.00663)", flavors=FLAVORS, config_class=TitansConfig, plain_class=TitansLM,
-                variant_field="variant", variants=VARIANTS, flops_per_token=flops.titans)
+                variant_field="variant", variants=VARIANTS, flops_per_token=flops.titans,
+                diagnostics=memory_diagnostics)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec

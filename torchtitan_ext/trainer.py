@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from models.mela import mela_diagnostics
-from models.titans import memory_diagnostics
+from torchtitan_ext.families import family_of_spec
 
 
 class MemoryTrainer(Trainer):
-    """After each logged step, logs the `memory/...` diagnostics of models that have them
-    (Titans: `models.titans.memory_diagnostics`; Mela: `models.mela.mela_diagnostics`) to
+    """After each logged step, logs the `memory/...` diagnostics of families that have them
+    (`Family.diagnostics`: Titans' `memory_diagnostics`, Mela's `mela_diagnostics`) to
     wandb/TensorBoard, and a one-line summary (each statistic averaged over layers) to the
     console. Values come from rank 0's last micro-batch."""
 
@@ -25,7 +24,8 @@ class MemoryTrainer(Trainer):
         super().train_step(data_iterator)
         if not self.metrics_processor.should_log(self.step):
             return
-        metrics = memory_diagnostics(self.model_parts[0]) | mela_diagnostics(self.model_parts[0])
+        diagnostics = family_of_spec(self.config.model_spec.name).diagnostics
+        metrics = diagnostics(self.model_parts[0]) if diagnostics else {}
         if not metrics:
             return
         self.metrics_processor.logger.log(metrics, self.step)

@@ -1,7 +1,8 @@
-"""Newton-Schulz orthogonalisation (Muon), torch reference.
+"""The plain torch references of the kernels (`kernels/__init__.py` dispatches between
+them and the Triton kernels of `kernels/triton_kernels.py`; tests hold the two equal).
 
-`newton_schulz(X, steps)` approximates the nearest semi-orthogonal matrix U V^T of each
-matrix in a batch (X = U S V^T), with Muon's quintic iteration (Jordan et al., 2024),
+`newton_schulz_reference(X, steps)`: Newton-Schulz orthogonalisation (Muon), the nearest
+semi-orthogonal matrix U V^T of each matrix in a batch (X = U S V^T) by Muon's quintic iteration (Jordan et al., 2024),
 used by Mela's memory update ("Mela: Test-Time Memory Consolidation based on Transformation
 Hypothesis", arXiv:2605.10537, eq. 10):
 
@@ -12,6 +13,15 @@ Hypothesis", arXiv:2605.10537, eq. 10):
 `coefficients` is one (a, b, c) for every step or a schedule of one triple per step
 (e.g. LaCT's five, `LACT_SCHEDULE`). Computed in float32 at least (float64 stays
 float64); the result has the input's dtype.
+
+`memory_update_reference`: the memory's per-chunk update step (Mela eq. 10-11; Titans eq. 2.39-2.40).
+
+    S' = eta S - G
+    M' = (1 - alpha) M + lr NewtonSchulz_k(S')      (k = 0: M' = (1 - alpha) M + lr S')
+
+weight M, momentum S, gradient G: (..., rows, cols); eta, alpha: (...) one value per matrix;
+lr (`step_scale`, a float) is Muon's learning rate on the orthogonalised step (1 = Mela's
+eq. 10 as printed).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ def coefficient_schedule(coefficients, steps: int) -> tuple[tuple[float, float, 
     return tuple(tuple(c) for c in coefficients)
 
 
-def newton_schulz(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
+def newton_schulz_reference(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
     """x (..., rows, cols) -> same shape, singular values pushed towards 1."""
     schedule = coefficient_schedule(coefficients, steps)
     work = x if x.dtype == torch.float64 else x.float()
@@ -46,3 +56,14 @@ def newton_schulz(x: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENT
     if tall:
         work = work.transpose(-1, -2)
     return work.to(x.dtype)
+
+
+
+
+def memory_update_reference(weight: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, eta: torch.Tensor,
+                            alpha: torch.Tensor, ns_steps: int, step_scale: float = 1.0,
+                            coefficients=MUON_COEFFICIENTS):
+    """Returns (new weight, new momentum)."""
+    new_momentum = eta[..., None, None] * momentum - grad
+    step = newton_schulz_reference(new_momentum, ns_steps, coefficients) if ns_steps else new_momentum
+    return (1 - alpha)[..., None, None] * weight + step_scale * step, new_momentum

@@ -8,7 +8,7 @@ differs from dim) are patchified by a 1-D convolution (kernel = stride = P) into
 (B, N_p, memory_dim), one episodic unit per P tokens. Two memory modules, L (fewer blocks) and H (more blocks), each = an input-fusion MLP
 over concat of its two input states, then memory blocks
     x += GatedAttention(RMSNorm x);  x += NeuralMemory(RMSNorm x)
-with the neural memory of `models/neural_memory.py` updated by eq. 10-11 (momentum, forget
+with the neural memory of `models/memory/neural_memory.py` updated by eq. 10-11 (momentum, forget
 gate, Newton-Schulz-k on the momentum), processing patches in chunks of C, one update step
 per chunk (`gates="chunk"`: section 3.1 takes one gradient per chunk as the surprise, and
 Newton-Schulz orthogonalises that step). Mela describes none of the Titans layer's extras
@@ -80,9 +80,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import swiglu_hidden
-from models.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
-from models.transformer import Attention, DecoderBlock
+from models.layers.ffn import swiglu_hidden
+from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
+from models.layers.decoder import Attention, DecoderBlock
 
 FUSIONS = ("mlp", "h_only", "weighted_sum")
 MEMORY_READS = ("after_write", "before_write")

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import document_causal_attention
-from models.rope import apply_rope, rope_angles
+from models.layers.attention import document_causal_attention
+from models.layers.rope import apply_rope, rope_angles
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 

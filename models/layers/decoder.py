@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import SwiGLU
-from models.rope import apply_rope, rope_angles
+from models.layers.ffn import SwiGLU
+from models.layers.rope import apply_rope, rope_angles
 
 
 class Attention(nn.Module):

@@ -1,6 +1,6 @@
 """Titans language models (Titans: Learning to Memorize at Test Time, arXiv:2501.00663, as
 restated in the MemoryLlama thesis, section 2.3): decoder blocks, each with its own
-neural memory (`models/neural_memory.py`), in four variants:
+neural memory (`models/memory/neural_memory.py`), in four variants:
 
 - LMM: memory-only blocks   x += Memory(norm x);                     x += FFN(norm x)
 - MAL: memory as a layer    x += Memory(norm x); x += SWA*(norm x);  x += FFN(norm x)   (eq. 2.42-2.44)
@@ -48,10 +48,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from models.attention import masked_attention
-from models.layers import SwiGLU, swiglu_hidden
-from models.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
-from models.rope import apply_rope, rope_angles
+from models.layers.attention import masked_attention
+from models.layers.ffn import SwiGLU, swiglu_hidden
+from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
+from models.layers.rope import apply_rope, rope_angles
 
 VARIANTS = ("mac", "mag", "mal", "lmm")
 GATES = ("paper", "convex")

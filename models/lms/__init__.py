@@ -1,0 +1,1 @@
+"""Language models trained from scratch: Titans (MAC/MAG/MAL/LMM), Mela, the MLP-FFN LM."""

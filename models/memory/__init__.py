@@ -1,0 +1,1 @@
+"""Test-time memories: the neural long-term memory (Titans; Mela's HMM blocks)."""
