@@ -6,6 +6,7 @@ and safetensors has."""
 
 from __future__ import annotations
 
+import json
 import os
 import site
 import subprocess
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import train
 from torchtitan_ext.checkpoints import build_model, causal_logits, load_dcp_model
+from torchtitan_ext.tokenizer import AssetsTokenizer
 from torchtitan_ext.transformer import FAMILY as TRANSFORMER
 
 FAMILIES = {
@@ -25,14 +27,19 @@ FAMILIES = {
     "titans": "train_configs.titans:titans_mac_debug",  # the variants share the model class and code
     "mela": "train_configs.mela:mela_debug",
 }
+# Text the export's tokenizer must encode as training does (not starting with whitespace:
+# sentencepiece puts its dummy prefix before leading spaces, transformers does not).
+TEXTS = ["def f(x):\n    return x**2\n", "Memory is written at test time, 2026.", "Ünïcödé 東京 🙂"]
 LENGTH = 80  # longer than one memory chunk (Titans: 16 tokens) and one Mela chunk (64 tokens)
 NEW_TOKENS = 32
 
 LOAD_IN_PLAIN_TRANSFORMERS = """
 import json, sys
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-folder, inputs, out = sys.argv[1:]
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+folder, inputs, out = sys.argv[1:4]
+texts = json.loads(sys.argv[4]) if len(sys.argv) > 4 else []
+token_ids = [AutoTokenizer.from_pretrained(folder)(t)["input_ids"] for t in texts]
 config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
 fields = {k: getattr(config, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
@@ -42,7 +49,7 @@ with torch.no_grad():
     generated = model.generate(x[:, :24], max_new_tokens=32, do_sample=False, min_new_tokens=32)
 project = [m for m in sys.modules if m.split(".")[0] in ("models", "kernels", "torchtitan", "torchtitan_ext")]
 torch.save({"logits": logits, "generated": generated, "class": type(model).__name__, "project": project,
-            "config": fields}, out)
+            "config": fields, "token_ids": token_ids}, out)
 """
 
 
@@ -75,10 +82,13 @@ def greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     return seq
 
 
-def load_without_project(folder, inputs, tmp_path) -> dict:
+def load_without_project(folder, inputs, tmp_path, texts: list[str] = ()) -> dict:
+    """Logits, greedy generation, standard config fields and (for `texts`) the export
+    tokenizer's ids, from a Python that has transformers but not this project."""
     out = tmp_path / "hf_outputs.pt"
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": site.getsitepackages()[0], "HF_HUB_OFFLINE": "1"}
-    child = subprocess.run([sys.executable, "-S", "-c", LOAD_IN_PLAIN_TRANSFORMERS, str(folder), str(inputs), str(out)],
+    child = subprocess.run([sys.executable, "-S", "-c", LOAD_IN_PLAIN_TRANSFORMERS, str(folder), str(inputs), str(out),
+                            json.dumps(list(texts))],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-3000:]
     return torch.load(out)
@@ -97,8 +107,10 @@ def test_export_matches_native_and_round_trips_bit_for_bit(family, tokenizer_dir
 
     x = torch.randint(0, 4096, (2, LENGTH), generator=torch.Generator().manual_seed(1))
     torch.save(x, tmp_path / "x.pt")
-    hf = load_without_project(tmp_path / "hf", tmp_path / "x.pt", tmp_path)
+    hf = load_without_project(tmp_path / "hf", tmp_path / "x.pt", tmp_path, TEXTS)
     assert hf["project"] == []
+    ours = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(tokenizer_dir))
+    assert hf["token_ids"] == [ours.encode(t, add_bos=True, add_eos=False) for t in TEXTS]  # the export's tokenizer
     shape = model.cfg if family != "transformer" else TRANSFORMER.config("small")  # AutoConfig's standard fields
     assert hf["config"] == {"vocab_size": shape.vocab_size, "hidden_size": shape.dim, "num_hidden_layers": shape.n_layers}
     assert hf["class"] == ("LlamaForCausalLM" if family == "transformer" else "MemoryLMForCausalLM")

@@ -13,12 +13,17 @@ from torchtitan_ext.tokenizer import AssetsTokenizer
 TEXT = "Memory is learned and written at test time."
 
 
+LOSSLESS = ["def f(x):\n    return x**2\n", "two  spaces,\ttab\r\n", "Ünïcödé 東京 🙂 2026"]
+
+
 def test_sentencepiece_default_round_trips_with_bos_eos(tokenizer_dir):
     tok = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(tokenizer_dir))
     ids = tok.encode(TEXT, add_bos=True, add_eos=True)
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and tok.bos_id != tok.eos_id
     assert tok.decode(ids[1:-1]) == TEXT
     assert tok.get_vocab_size() == 4096
+    for text in LOSSLESS:  # newlines, indentation, repeated spaces, unicode and digits survive
+        assert tok.decode(tok.encode(text, add_bos=False, add_eos=False)) == text
 
 
 def test_hf_tokenizer_json_is_accepted(tmp_path):

@@ -30,6 +30,11 @@ from torchtitan_ext.paths import staged_folder
 REPO = Path(__file__).resolve().parents[1]
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# A bare sentencepiece model (the offline default) read by transformers' LlamaTokenizer: the
+# same ids as the training tokenizer (bos, no eos) for text that does not start with whitespace
+# (sentencepiece adds its dummy prefix before leading spaces, transformers does not).
+SENTENCEPIECE_TOKENIZER_CONFIG = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+                                  "legacy": False, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 PROJECT_IMPORT = re.compile(r"^(\s*)from (models|kernels)((?:\.\w+)*) import ", re.MULTILINE)
 
 
@@ -159,6 +164,8 @@ def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: st
         for filename in TOKENIZER_FILES:
             if (tokenizer_dir / filename).is_file():
                 shutil.copy(tokenizer_dir / filename, staging / filename)
+        if (staging / "tokenizer.model").is_file() and not (staging / "tokenizer_config.json").is_file():
+            (staging / "tokenizer_config.json").write_text(json.dumps(SENTENCEPIECE_TOKENIZER_CONFIG, indent=1))
 
 
 def import_weights(module: str, function: str, hf_folder: Path):

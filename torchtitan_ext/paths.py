@@ -15,8 +15,9 @@ def cache_dir() -> Path:
 
 
 def default_tokenizer_dir() -> Path:
-    """The sentencepiece model trained on the embedded corpus (scripts/build_tokenizer.py)."""
-    return cache_dir() / "tokenizer" / "embedded-sp4096"
+    """The sentencepiece model trained on the embedded corpus (scripts/build_tokenizer.py);
+    lossless (identity normalisation), hence the folder name."""
+    return cache_dir() / "tokenizer" / "embedded-sp4096-lossless"
 
 
 @contextlib.contextmanager
