@@ -152,3 +152,17 @@ def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tokenizer_dir,
     logged = max(nodes, key=lambda n: len(n.losses))  # the node holding global rank 0 prints the steps
     assert relative_gap(single.losses, logged.losses) < 1e-5
     assert "2 node(s) x 1 process(es)" in nodes[0].output
+
+
+def test_a_paper_recipe_scaled_down_trains_on_two_processes(tokenizer_dir, tmp_path):
+    """`paper_recipe`'s batch arithmetic with NPROC_PER_NODE=2 (tests/paper_shaped.py): a fixed
+    global batch (32 sequences here, 128 in the paper) over 2 ranks is 16 per rank; the
+    recipe's local-batch ceiling of 8 fits, so torchtitan accumulates 2 micro-batches. The
+    smaller context, fp32, no compile and the embedded corpus are CPU overrides."""
+    run = train(["--module", "paper_shaped", "--config", "mela_debug_paper_recipe", "--training.global_batch_size", "32",
+                 "--training.seq_len", "256", "--training.steps", "2", "--training.mixed_precision_param", "float32",
+                 "--compile.no-enable", "--dataloader.dataset", "embedded", "--validator.no-enable",
+                 "--hf_assets_path", str(tokenizer_dir), "--checkpoint.no-enable", "--dump_folder", str(tmp_path)], nproc=2)
+    assert run.returncode == 0, run
+    assert "global batch size 32, gradient accumulation steps 2" in run.output
+    assert sorted(run.losses) == [1, 2]
