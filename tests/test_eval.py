@@ -50,9 +50,9 @@ def eval_cli(*args):
 
 
 def test_writes_json_table_and_plot_and_streaming_equals_one_pass(checkpoints, long_docs, tmp_path):
-    """In float64: Mela's per-block memory amplifies rounding ~5x per chunk at eq. 10's unit
-    step (docs/benchmarks.md), so in float32 two batchings of the same 8 chunks differ by
-    1e-3; this test is about the streaming machinery, which must agree to rounding."""
+    """In float64, so that streaming and one pass must agree to 1e-9: any difference is the
+    streaming machinery's, not rounding (a memory that amplifies rounding, as Mela's at
+    eq. 10's unit step does, would otherwise hide or fake one)."""
     out = tmp_path / "eval"
     run = eval_cli("--checkpoint", checkpoints[MELA], "--config", MELA, "--mode", "full",
                    "--checkpoint", checkpoints[MELA], "--config", MELA, "--mode", "streaming",

@@ -61,7 +61,8 @@ ABLATIONS = {
     **{f"l_cycles_{n}": (dict(l_cycles=n), "Table 2: L cycles") for n in (1, 2, 4)},
     **{f"h_layers_{n}": (dict(h_layers=n), "Table 3: H-module memory blocks") for n in (2, 8)},
     **{f"l_layers_{n}": (dict(l_layers=n), "Table 3: L-module memory blocks") for n in (2, 8)},
-    "no_newton_schulz": (dict(newton_schulz_steps=0), "Table 4: momentum update without Newton-Schulz"),
+    "no_newton_schulz": (dict(newton_schulz_steps=0, memory_step_scale=1.0),
+                         "Table 4: momentum update without Newton-Schulz (M = alpha M + S, eq. 4-5: theta is its step)"),
     "no_memstack": (dict(memstack=False), "Table 4: memory tokens only at the input, no MemStack"),
     "no_gating": (dict(attention_gating=False), "Table 4: plain (ungated) attention in the memory blocks"),
     "fusion_h_only": (dict(fusion="h_only"), 'Table 4: the h state alone as memory output (fusion "None")'),
@@ -69,6 +70,7 @@ ABLATIONS = {
     "no_memory_attention": (dict(memory_attention=False), "Table 4: memory blocks without attention"),
     "no_neural_memory": (dict(neural_memory=False), "Table 4: memory blocks without the neural memory"),
     "per_step_chain": (dict(memory_chain="per_step"), "One memory chain per module step of the recursion"),
+    "unit_step": (dict(memory_step_scale=1.0), "Eq. 10 as printed: no step size after Newton-Schulz"),
 }
 for _name, (_fields, _doc) in ABLATIONS.items():
     _ablation_config(_name, _fields, _doc)

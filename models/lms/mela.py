@@ -53,6 +53,12 @@ Choices where the paper is silent (each tested in tests/test_mela.py):
   perplexity is 0.85x per_step's (95% interval 0.84-0.87) at 1x-8x the training context
   (docs/benchmarks.md). Either way the carried state is constant in the context length and segment-by-segment equals one
   pass exactly.
+- The step after Newton-Schulz (`memory_step_scale`, default 0.1). Eq. 10 as printed adds
+  NS(S) with no step size; section 3.1 "leverages the Muon optimizer", whose step has a
+  learning rate. A unit step makes the per-block memory chaotic (float32 and float64
+  outputs of a fresh model part by ~5x per chunk, 1.0 by chunk 9); 0.1 keeps them within
+  1e-5 and gives 0.92x the perplexity in scripts/replicate_mela_length.py (3 seeds, 44
+  documents; docs/benchmarks.md). 1.0 is eq. 10 as printed.
 - L-module input: Fuse_L(concat(l, h)) + x_p (input injection, as HRM's z_L + z_H + x);
   H-module input: Fuse_H(concat(h, l)). Each module ends with an RMSNorm so that l and h
   keep their scale over cycles. Fusion MLPs: Linear(2m, m) -> SiLU -> Linear(m, out).
@@ -116,7 +122,7 @@ class MelaConfig:
     memory: NeuralMemoryConfig = field(default_factory=mela_memory)
     # Ablations of Table 4.
     newton_schulz_steps: int = 5  # 0: plain momentum update (eq. 4-5 instead of 10-11)
-    memory_step_scale: float = 1.0  # lr on the orthogonalised step: M = alpha M + lr NS(S) (eq. 10 as printed: 1)
+    memory_step_scale: float = 0.1  # lr on the orthogonalised step: M = alpha M + lr NS(S) (eq. 10 as printed: 1)
     memstack: bool = True
     attention_gating: bool = True
     fusion: str = "mlp"  # "mlp" | "h_only" | "weighted_sum"
