@@ -45,7 +45,7 @@ def test_compare_passes_agreement_and_fails_errors():
 
 def test_step_lines_give_loss_throughput_and_mfu():
     steps = parse_steps(SAMPLE_LOG)
-    assert steps[3] == {"loss": 7.12345, "tps": 12345.0, "mfu": 41.5}
+    assert steps[3] == {"loss": 7.12345, "tps": 12345.0, "tflops": 3.21, "mfu": 41.5}
     assert steps[4]["tps"] == 999.0 and steps[4]["mfu"] != steps[4]["mfu"]  # N/A -> nan
     assert gpu_check.loss_falls("run", 0, steps, "").ok
     assert not gpu_check.loss_falls("run", 0, {1: {"loss": 5.0}, 2: {"loss": 6.0}}, "").ok

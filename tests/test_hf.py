@@ -26,7 +26,9 @@ FAMILIES = {
     "mlp_lm": "train_configs.mlp_lm:mlp_lm_debug",
     "titans": "train_configs.titans:titans_mac_debug",  # the variants share the model class and code
     "mela": "train_configs.mela:mela_debug",
+    "backbone": "train_configs.backbone:backbone_qwen3_debug",  # a standard Qwen3ForCausalLM
 }
+EXPORTED_CLASS = {"transformer": "LlamaForCausalLM", "backbone": "Qwen3ForCausalLM"}  # others: remote code
 # Text the export's tokenizer must encode as training does (not starting with whitespace:
 # sentencepiece puts its dummy prefix before leading spaces, transformers does not).
 TEXTS = ["def f(x):\n    return x**2\n", "Memory is written at test time, 2026.", "Ünïcödé 東京 🙂"]
@@ -113,7 +115,7 @@ def test_export_matches_native_and_round_trips_bit_for_bit(family, tokenizer_dir
     assert hf["token_ids"] == [ours.encode(t, add_bos=True, add_eos=False) for t in TEXTS]  # the export's tokenizer
     shape = model.cfg if family != "transformer" else TRANSFORMER.config("small")  # AutoConfig's standard fields
     assert hf["config"] == {"vocab_size": shape.vocab_size, "hidden_size": shape.dim, "num_hidden_layers": shape.n_layers}
-    assert hf["class"] == ("LlamaForCausalLM" if family == "transformer" else "MemoryLMForCausalLM")
+    assert hf["class"] == EXPORTED_CLASS.get(family, "MemoryLMForCausalLM")
     with torch.no_grad():
         assert (hf["logits"] - causal_logits(model, x)).abs().max() < 1e-4
     assert torch.equal(hf["generated"], greedy(model, x[:, :24], NEW_TOKENS))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import streamed
-from models.lms.mela import Mela, MelaConfig, mela_memory
 from models.layers.decoder import DecoderBlock
+from models.lms.mela import Mela, MelaConfig, mela_memory
 
 SMALL = dict(vocab_size=64, dim=32, n_layers=3, n_heads=2, memory_heads=2, patch_size=2, chunk_size=4,
              memory=mela_memory(expansion=2))  # chunks of 8 text tokens + 4 memory tokens

@@ -16,10 +16,11 @@ import torch
 from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
 from kernels import memory_update, newton_schulz
+from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
 from models.lms.mela import Mela, MelaConfig, mela_memory
 from models.lms.mlp_lm import MLPLM, MLPLMConfig
-from models.memory.neural_memory import NeuralMemoryConfig
 from models.lms.titans import TitansConfig, TitansLM, VARIANTS
+from models.memory.neural_memory import NeuralMemoryConfig
 from torchtitan_ext import transformer
 
 VOCAB, LENGTH = 64, 40
@@ -39,6 +40,12 @@ def mela(**fields):
 
 def mlp_lm():
     return MLPLM(MLPLMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
+
+
+def backbone():
+    # Qwen3's shape ratios at small width: head_dim 16 with dim 32 / 4 heads, q/k norm, tied, GQA.
+    return DecoderLM(DecoderLMConfig(architecture="qwen3", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
+                                     n_kv_heads=2, head_dim=16, ffn_hidden=64, qk_norm=True, tie_embeddings=True))
 
 
 class TransformerPP(torch.nn.Module):
@@ -61,7 +68,7 @@ class TransformerPP(torch.nn.Module):
 
 FAMILIES = {f"titans_{v}": (lambda v=v: titans(v)) for v in VARIANTS} | {
     "mela": mela, "mela_per_step_chain": lambda: mela(memory_chain="per_step"), "mlp_lm": mlp_lm,
-    "transformer": TransformerPP}
+    "transformer": TransformerPP, "backbone": backbone}
 STREAMING = {name for name in FAMILIES if name.startswith(("titans", "mela"))}
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import streamed
-from models.memory.neural_memory import NeuralMemoryConfig
 from models.lms.titans import mac_mask, prefix_window_mask, TitansConfig, TitansLM, VARIANTS
+from models.memory.neural_memory import NeuralMemoryConfig
 from param_counts import param_count
 
 VOCAB = 50

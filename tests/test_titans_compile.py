@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from models.memory.neural_memory import NeuralMemoryConfig
 from models.lms.titans import TitansBlock, TitansConfig, VARIANTS
+from models.memory.neural_memory import NeuralMemoryConfig
 
 
 def block_and_input(variant: str):

@@ -14,6 +14,7 @@ CONFIGS = {
     "transformer": ["--module", "train_configs.transformer", "--config", "transformer_debug"],
     "mlp_lm": ["--module", "train_configs.mlp_lm", "--config", "mlp_lm_debug"],
     "mela": ["--module", "train_configs.mela", "--config", "mela_debug"],
+    "backbone": ["--module", "train_configs.backbone", "--config", "backbone_qwen3_debug"],
 } | {f"titans_{v}": ["--module", "train_configs.titans", "--config", f"titans_{v}_debug"] for v in ("mac", "mag", "mal", "lmm")}
 SHORT = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0"]
 

@@ -19,16 +19,15 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-MODULES = ("transformer", "mlp_lm", "titans", "mela")  # torchtitan_ext.<name>.FAMILY
+MODULES = ("transformer", "mlp_lm", "titans", "mela", "backbone")  # torchtitan_ext.<name>.FAMILY
 
 
 @dataclass(frozen=True)
 class Family:
     """name: the ModelSpec name (with `variant_field`: `<name>_<variant>` per variant) and
     the export's `family`; summary: one catalogue line; flavors: {flavor: config fields};
-    config_class: the plain config dataclass; plain_class: the `models/` module class a
-    remote-code export ships (None: the family exports as a `transformers` Llama and builds
-    its spec with `build_spec`); flops_per_token(config, seq_len): training FLOPs per
+    config_class: the plain config dataclass; plain_class: the `models/` class (a remote-code
+    export ships its source; None: the family builds its spec with `build_spec`); flops_per_token(config, seq_len): training FLOPs per
     token (None: 6 x parameters); diagnostics(model): `memory/...` metrics of the last
     forward, found through wrappers (logged by `MemoryTrainer`); config_module: the
     `train_configs` module."""
@@ -43,6 +42,8 @@ class Family:
     variants: tuple[str, ...] = ()
     flops_per_token: Callable | None = None
     diagnostics: Callable | None = None
+    hf_config: Callable | None = None
+    state_dict_adapter: type | None = None
     config_module: str = ""
 
     def __post_init__(self):
@@ -66,7 +67,7 @@ class Family:
 
         config = self.config(flavor, **overrides)
         return plain_model_spec(self.spec_name(config), flavor, torchtitan_model(self.plain_class, self.config_class),
-                                dataclasses.replace(config))
+                                dataclasses.replace(config), self.state_dict_adapter)
 
     def specs(self):
         """(ModelSpec name, flavor, overrides) of every variant and flavor."""
@@ -77,7 +78,7 @@ class Family:
 
     @property
     def remote_export(self) -> bool:
-        return self.plain_class is not None
+        return self.hf_config is None
 
     def nested_configs(self) -> dict[str, type]:
         """{config field: dataclass} of the config's fields that hold dataclasses (rebuilt on import)."""

@@ -1,9 +1,11 @@
 """Hugging Face format <-> the project's models, for every family.
 
 Weights are mapped by each family's torchtitan state-dict adapter (the one its ModelSpec
-names): Transformer++ through torchtitan's `Llama3StateDictAdapter` (a standard
-`LlamaForCausalLM`, loadable by plain `transformers`), the other families through
-`WrapperStateDictAdapter` (keys `model.<plain key>`). Those families export as remote code:
+names). Families with a `Family.hf_config` export as a standard transformers class
+(Transformer++ through torchtitan's `Llama3StateDictAdapter` as `LlamaForCausalLM`; the
+pretrained backbone as `LlamaForCausalLM` / `Qwen3ForCausalLM`), loadable by plain
+`transformers`; the other families, through `WrapperStateDictAdapter` (keys
+`model.<plain key>`), export as remote code:
 `MemoryLMForCausalLM` (`torchtitan_ext/hf_remote/`) plus the model's own source, copied at
 export time from `models/` and `kernels/` with their imports made relative, and an
 `auto_map`, so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` needs only
@@ -111,16 +113,6 @@ def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _llama_config(spec):
-    from transformers import LlamaConfig
-
-    s = export_family(spec.name).config(spec.flavor)
-    return LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.dim, intermediate_size=s.ffn_hidden,
-                       num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads, num_key_value_heads=s.n_kv_heads,
-                       rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=s.max_seq_len,
-                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-
-
 def _remote_code(family: Family, plain_config, folder: Path):
     """Write the remote code and return the HF config of a remote-code family."""
     import importlib.util
@@ -157,7 +149,10 @@ def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: st
         adapter = spec.state_dict_adapter(spec.model, None)
         state = {k: v.detach().clone() for k, v in adapter.to_hf(model.state_dict()).items()}
         save_safetensors(state, staging, max_shard_size)
-        config = _remote_code(family, model.cfg, staging) if family.remote_export else _llama_config(spec)
+        if family.remote_export:
+            config = _remote_code(family, model.cfg, staging)
+        else:  # a standard transformers class, from the model's own config or its flavor's
+            config = family.hf_config(getattr(model, "cfg", None) or family.config(spec.flavor))
         config.save_pretrained(staging)
         GenerationConfig(do_sample=False, use_cache=False).save_pretrained(staging)
         tokenizer_dir = Path(trainer_config.hf_assets_path)

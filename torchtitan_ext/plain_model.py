@@ -72,8 +72,9 @@ def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
     return TorchtitanModel
 
 
-def plain_model_spec(name: str, flavor: str, model_cls: type, plain_config) -> ModelSpec:
-    """ModelSpec for a plain model; the config is copied (callers may edit theirs)."""
+def plain_model_spec(name: str, flavor: str, model_cls: type, plain_config, state_dict_adapter: type | None = None) -> ModelSpec:
+    """ModelSpec for a plain model; the config is copied (callers may edit theirs).
+    `state_dict_adapter` (default `WrapperStateDictAdapter`) maps to Hugging Face keys."""
     return ModelSpec(
         name=name,
         flavor=flavor,
@@ -81,7 +82,7 @@ def plain_model_spec(name: str, flavor: str, model_cls: type, plain_config) -> M
         parallelize_fn=parallelize_plain_decoder,
         pipelining_fn=None,
         post_optimizer_build_fn=None,
-        state_dict_adapter=WrapperStateDictAdapter,
+        state_dict_adapter=state_dict_adapter or WrapperStateDictAdapter,
     )
 
 

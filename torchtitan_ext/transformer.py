@@ -67,7 +67,11 @@ FLAVORS = {
 def model_config(flavor: str, attn_backend: str = "auto") -> Llama3Model.Config:
     """torchtitan Llama3Model config for a flavor. attn_backend: "auto"
     (`auto_attention_backend`), "cpu", or any torchtitan backend name (flex, flex_flash, varlen)."""
-    s = FAMILY.config(flavor)
+    return llama3_config(FAMILY.config(flavor), attn_backend)
+
+
+def llama3_config(s: Shape, attn_backend: str = "auto") -> Llama3Model.Config:
+    """torchtitan Llama3Model config of any Shape (RoPE theta 500000, no scaling)."""
     if attn_backend == "auto":
         attn_backend = auto_attention_backend(has_accelerator())
     config = Llama3Model.Config(
@@ -103,5 +107,15 @@ def model_spec(flavor: str, attn_backend: str = "auto") -> ModelSpec:
     )
 
 
+def hf_config(s: Shape):
+    """The transformers LlamaConfig of a flavor (its export is a plain LlamaForCausalLM)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.dim, intermediate_size=s.ffn_hidden,
+                       num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads, num_key_value_heads=s.n_kv_heads,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=s.max_seq_len,
+                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+
+
 FAMILY = Family(name="transformer", summary="Transformer++ baseline: torchtitan's llama3 (RMSNorm, SwiGLU, RoPE, GQA)",
-                flavors=FLAVORS, config_class=Shape, build_spec=model_spec)
+                flavors=FLAVORS, config_class=Shape, build_spec=model_spec, hf_config=hf_config)

@@ -1,0 +1,1 @@
+"""Pretrained decoder backbones that load Hugging Face checkpoints (Llama, Qwen3)."""

@@ -1,0 +1,183 @@
+"""A plain-torch Llama / Qwen3 decoder LM that loads Hugging Face checkpoints: the backbone
+memories are grafted onto.
+
+Architecture (transformers' LlamaForCausalLM and Qwen3ForCausalLM, which it equals; tests
+in tests/test_backbone.py): token embeddings, `n_layers` pre-norm blocks
+    x += W_o Attn(RoPE(q), RoPE(k), v);  q, k, v = W_{q,k,v} RMSNorm(x)   (GQA, explicit head_dim)
+    x += W_2 (SiLU(W_1 h) * W_3 h);       h = RMSNorm(x)                   (SwiGLU)
+then RMSNorm and the output head (tied to the embeddings or not). Qwen3 adds an RMSNorm over
+each head of q and k before RoPE (`qk_norm`). RoPE uses Hugging Face's layout (halves rotate
+together) and Llama 3's frequency scaling when `rope_scaling` says so. RMSNorm and RoPE
+angles are computed in float32 (float64 for float64 inputs in the norm) as transformers does.
+
+Attribute names (tok_embeddings, layers, norm, lm_head, and attention / feed_forward /
+attention_norm / ffn_norm inside blocks) follow torchtitan's decoders, so its AC / compile /
+FSDP2 helpers apply; `torchtitan_ext/backbone.py` maps them to and from Hugging Face keys.
+Documents packed in a row are kept apart through `positions` (restarting at 0 per document).
+
+Shapes: tokens (B, L) int64 -> logits (B, L, vocab_size).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.layers.attention import document_causal_attention
+from models.layers.ffn import SwiGLU
+from models.layers.rope import apply_half_rope, rope_inv_freq
+
+ARCHITECTURES = ("llama", "qwen3")
+
+
+@dataclass
+class DecoderLMConfig:
+    architecture: str = "llama"  # "llama" | "qwen3": which transformers class it exports as
+    vocab_size: int = 4096
+    dim: int = 64  # hidden_size
+    n_layers: int = 2  # num_hidden_layers
+    n_heads: int = 4  # num_attention_heads
+    n_kv_heads: int = 2  # num_key_value_heads
+    head_dim: int | None = None  # explicit (Qwen3); default dim // n_heads
+    ffn_hidden: int = 128  # intermediate_size
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 131072  # max_position_embeddings
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"backbone architecture '{self.architecture}' unknown: choose one of {ARCHITECTURES}")
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
+
+
+class RMSNorm(nn.Module):
+    """weight * x / rms(x), the statistics in float32 (float64 stays float64), cast back
+    before the weight, as transformers' LlamaRMSNorm. x (..., dim) -> (..., dim)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = x if x.dtype == torch.float64 else x.float()
+        work = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * work.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
+        """x (B, L, dim); positions (B, L) for RoPE; doc_positions (B, L) or None for masking."""
+        q, k, v = (w(x).unflatten(-1, (-1, self.cfg.head_dim)) for w in (self.wq, self.wk, self.wv))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = apply_half_rope(q, positions, self.inv_freq), apply_half_rope(k, positions, self.inv_freq)
+        out = document_causal_attention(q, k, v, doc_positions, scale=1 / math.sqrt(self.cfg.head_dim))
+        return self.wo(out.transpose(1, 2).flatten(-2))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderLMConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x, positions, doc_positions):
+        x = x + self.attention(self.attention_norm(x), positions, doc_positions)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """Llama / Qwen3 decoder LM (module docstring)."""
+
+    _skip_lm_head: bool = False  # torchtitan's chunked loss applies lm_head itself
+
+    def __init__(self, cfg: DecoderLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.enable_weight_tying = cfg.tie_embeddings
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, init_std) for every matrix (transformers' init; pretrained weights replace
+        it), norms to one, RoPE frequencies recomputed (after to_empty), head re-tied."""
+        with torch.no_grad():
+            if self.enable_weight_tying:
+                self.lm_head.weight = self.tok_embeddings.weight
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(module.weight, std=self.cfg.init_std)
+                elif isinstance(module, RMSNorm):
+                    module.reset_parameters()
+                elif isinstance(module, Attention):
+                    module.inv_freq.copy_(rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
+        """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None (one
+        document per row); `attention_masks` must be None (the mask comes from positions)."""
+        if attention_masks is not None:
+            raise ValueError("DecoderLM builds its own document mask from positions; pass attention_masks=None")
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
+        rope_positions = positions if positions is not None else torch.arange(
+            tokens.shape[1], device=tokens.device).expand_as(tokens)
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, rope_positions, positions)
+        h = self.norm(h)
+        return h if self._skip_lm_head else self.lm_head(h)
+
+
+def config_from_hf(hf: dict) -> DecoderLMConfig:
+    """A Hugging Face `config.json` (dict) of a Llama or Qwen3 model -> DecoderLMConfig;
+    ValueError naming what is not supported."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"config.json has model_type '{kind}': this backbone loads {ARCHITECTURES}")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("attention or MLP biases are not supported by this backbone")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported: the backbone's FFN is SwiGLU")
+    if hf.get("use_sliding_window"):
+        raise ValueError("sliding-window attention is not supported by this backbone")
+    params = dict(hf.get("rope_parameters") or {})  # transformers 5; older files: rope_theta / rope_scaling
+    theta = hf.get("rope_theta") or params.get("rope_theta", 10000.0)
+    rope = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return DecoderLMConfig(
+        architecture=kind, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"), ffn_hidden=hf["intermediate_size"], qk_norm=kind == "qwen3",
+        rope_theta=float(theta), rope_scaling=rope, norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=hf.get("max_position_embeddings", 131072))

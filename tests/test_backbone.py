@@ -1,0 +1,130 @@
+"""The pretrained backbone (models/backbones/decoder_lm.py) against transformers' Llama and
+Qwen3 and torchtitan's llama3, loaded from the same tiny random Hugging Face checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
+from torchtitan_ext.backbone import from_hf_keys, load_hf_backbone, to_hf_keys
+from torchtitan_ext.errors import UserError
+
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=512)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}
+CASES = {
+    "llama_gqa_untied": ("llama", dict(num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
+                                       rms_norm_eps=1e-5)),  # torchtitan's llama3 norm eps
+    "llama_tied_rope_scaling": ("llama", dict(num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=True,
+                                              rope_scaling=LLAMA3_SCALING)),
+    "qwen3_head_dim_32_tied": ("qwen3", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
+}
+
+
+def hf_checkpoint(case: str, folder):
+    """A tiny random transformers model of `case`, saved to `folder`; returns it (fp32, eval)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    kind, fields = CASES[case]
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SHAPE, **fields)).eval()
+    with torch.no_grad():  # norms away from one, so that a missed norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backbone_equals_transformers(case, tmp_path):
+    reference = hf_checkpoint(case, tmp_path)
+    ours = load_hf_backbone(tmp_path).eval()
+    tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))  # past 32: scaled RoPE matters
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), reference(tokens).logits, rtol=0, atol=1e-4)
+        # float64: both compute RoPE angles (and transformers its norms) in float32, so the
+        # difference is float32-sized there; it must still be far below the float32 one's scale.
+        gap64 = (ours.double()(tokens) - reference.double()(tokens).logits).abs().max().item()
+    assert gap64 < 1e-5
+
+
+def test_keys_round_trip_and_the_tied_head_is_dropped():
+    model = DecoderLM(DecoderLMConfig(qk_norm=True, tie_embeddings=True))
+    hf = to_hf_keys(model.state_dict(), tied=True)
+    assert "lm_head.weight" not in hf and "model.layers.1.self_attn.q_norm.weight" in hf
+    back = from_hf_keys(hf, tied=True)
+    assert back.keys() == model.state_dict().keys()
+
+
+def test_a_checkpoint_of_another_shape_is_one_clear_error(tmp_path):
+    hf_checkpoint("llama_gqa_untied", tmp_path)
+    expected = DecoderLMConfig(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=96)
+    with pytest.raises(UserError, match="n_layers=2, the flavor has 3"):
+        load_hf_backbone(tmp_path, expected)
+    with pytest.raises(UserError, match="no config.json"):
+        load_hf_backbone(tmp_path / "nowhere")
+
+
+def test_packed_documents_do_not_see_each_other_and_the_model_is_causal(float64):
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig(qk_norm=True)).eval()
+    tokens = torch.randint(0, 4096, (1, 24))
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    with torch.no_grad():
+        packed = model(tokens, positions)
+        first, second = model(tokens[:, :10]), model(tokens[:, 10:])
+        torch.testing.assert_close(packed, torch.cat([first, second], 1), rtol=0, atol=1e-12)
+        changed = tokens.clone()
+        changed[0, 15] = (changed[0, 15] + 1) % 4096
+        assert torch.equal(model(changed)[:, :15], model(tokens)[:, :15])  # causality: t=15 changes nothing before it
+        assert not torch.equal(model(changed)[:, 15:], model(tokens)[:, 15:])
+
+
+def test_backbone_equals_torchtitans_llama3_on_the_same_hf_weights(tmp_path):
+    """torchtitan's llama3 (its own RoPE layout: its adapter permutes q and k) and ours read
+    one Hugging Face checkpoint and give the same logits."""
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    from torchtitan_ext.hf_export import load_safetensors
+    from torchtitan_ext.transformer import llama3_config, Shape
+
+    hf_checkpoint("llama_gqa_untied", tmp_path)
+    ours = load_hf_backbone(tmp_path).eval()
+    shape = Shape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=256, max_seq_len=512)
+    config = llama3_config(shape, attn_backend="cpu")
+    titan = config.build()
+    titan.init_weights(buffer_device=None)
+    adapter = Llama3StateDictAdapter(config, None)
+    loaded = titan.load_state_dict(adapter.from_hf(load_safetensors(tmp_path)), strict=False)
+    parameters = {name for name, _ in titan.named_parameters()}
+    assert not loaded.unexpected_keys and not parameters & set(loaded.missing_keys)  # every weight came from the file
+    titan.eval()
+    tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(80).expand_as(tokens)
+    with torch.no_grad():
+        theirs = titan(tokens, positions=positions, attention_masks=create_varlen_metadata_for_document(positions))
+        torch.testing.assert_close(ours(tokens), theirs, rtol=0, atol=1e-4)
+
+
+
+# The model cards' figures: Llama 3.2 1B "1.23B"; Qwen3-0.6B "0.6B, non-embedding 0.44B";
+# Qwen3-1.7B "1.7B, non-embedding 1.4B".
+PUBLISHED = {"llama3_2_1b": (1.23e9, None), "qwen3_0_6b": (0.6e9, 0.44e9), "qwen3_1_7b": (1.7e9, 1.4e9)}
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED))
+def test_pretrained_flavors_have_the_published_sizes(flavor):
+    from torchtitan_ext.backbone import FAMILY
+
+    with torch.device("meta"):
+        model = DecoderLM(FAMILY.config(flavor))
+    total = sum(p.numel() for p in model.parameters())
+    total_claimed, body_claimed = PUBLISHED[flavor]
+    assert abs(total / total_claimed - 1) < 0.02
+    if body_claimed:
+        assert abs((total - model.tok_embeddings.weight.numel()) / body_claimed - 1) < 0.02

@@ -1,0 +1,152 @@
+"""The pretrained backbone family (`models/backbones/decoder_lm.py`): Hugging Face Llama /
+Qwen3 key names, reading a Hugging Face folder, and the registry entry.
+
+Flavors: the public configs of Llama-3.2-1B, Qwen3-0.6B and Qwen3-1.7B (their parameter
+counts are checked in tests/test_backbone.py), and `llama_debug` / `qwen3_debug` for CPU
+(the 4096-piece offline tokenizer; Qwen3's explicit head_dim differs from dim / heads there
+as in the real ones).
+
+`HFBackboneAdapter` is torchtitan's StateDictAdapter for it (so `--checkpoint.initial_load_in_hf`
+and the exporter work): keys are renamed, nothing is permuted (the backbone uses Hugging
+Face's RoPE layout). `load_hf_backbone(folder)` checks `config.json` against the flavor's
+config before anything is materialised.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from models.backbones.decoder_lm import Attention, config_from_hf, DecoderLM, DecoderLMConfig
+from models.layers.rope import rope_inv_freq
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.families import Family
+
+# (our key pattern, Hugging Face key pattern); {} is the layer index.
+KEY_MAP = (
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    *((f"layers.{{}}.attention.w{p}.weight", f"model.layers.{{}}.self_attn.{p}_proj.weight") for p in "qkvo"),
+    *((f"layers.{{}}.attention.{p}_norm.weight", f"model.layers.{{}}.self_attn.{p}_norm.weight") for p in "qk"),
+    ("layers.{}.attention_norm.weight", "model.layers.{}.input_layernorm.weight"),
+    ("layers.{}.ffn_norm.weight", "model.layers.{}.post_attention_layernorm.weight"),
+    ("layers.{}.feed_forward.w1.weight", "model.layers.{}.mlp.gate_proj.weight"),
+    ("layers.{}.feed_forward.w3.weight", "model.layers.{}.mlp.up_proj.weight"),
+    ("layers.{}.feed_forward.w2.weight", "model.layers.{}.mlp.down_proj.weight"),
+)
+
+
+def _rename(key: str, source: int) -> str:
+    """`key` from one naming (0: ours, 1: Hugging Face) to the other; UserError if unknown."""
+    for pair in KEY_MAP:
+        pattern = re.escape(pair[source]).replace(r"\{\}", r"(\d+)")
+        match = re.fullmatch(pattern, key)
+        if match:
+            return pair[1 - source].format(*match.groups())
+    raise UserError(f"weight '{key}' has no counterpart in a Llama / Qwen3 checkpoint: is this a backbone model?")
+
+
+def to_hf_keys(state: dict, tied: bool) -> dict:
+    return {_rename(k, 0): v for k, v in state.items() if not (tied and k == "lm_head.weight")}
+
+
+def from_hf_keys(state: dict, tied: bool) -> dict:
+    ours = {_rename(k, 1): v for k, v in state.items()}
+    if tied:
+        ours["lm_head.weight"] = ours["tok_embeddings.weight"]
+    return ours
+
+
+class HFBackboneAdapter(StateDictAdapter):
+    """torchtitan StateDictAdapter: our keys <-> Hugging Face Llama / Qwen3 keys."""
+
+    def _tied(self) -> bool:
+        return bool(self.model_config.model.tie_embeddings)
+
+    def to_hf(self, state_dict):
+        return to_hf_keys(state_dict, self._tied())
+
+    def from_hf(self, hf_state_dict):
+        return from_hf_keys(hf_state_dict, self._tied())
+
+
+def read_hf_config(folder: Path) -> DecoderLMConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise UserError(f"no config.json in '{folder}': pass a Hugging Face Llama or Qwen3 model folder")
+    try:
+        return config_from_hf(json.loads(path.read_text()))
+    except ValueError as e:
+        raise UserError(f"'{path}': {e}") from None
+
+
+def check_matches(expected: DecoderLMConfig, found: DecoderLMConfig, folder: Path) -> None:
+    """UserError naming the first field where a checkpoint's config differs from the flavor's."""
+    for field in ("architecture", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
+                  "qk_norm", "rope_theta", "rope_scaling", "tie_embeddings"):
+        if getattr(expected, field) != getattr(found, field):
+            raise UserError(f"'{folder}' holds a model with {field}={getattr(found, field)!r}, the flavor has "
+                            f"{getattr(expected, field)!r}: pass the flavor this checkpoint was made for")
+
+
+def load_hf_backbone(folder: Path, expected: DecoderLMConfig | None = None) -> DecoderLM:
+    """The DecoderLM of a Hugging Face folder (config.json + safetensors), fp32; with
+    `expected`, its config is checked first (one-line UserError, nothing built)."""
+    from torchtitan_ext.hf_export import load_safetensors
+
+    config = read_hf_config(folder)
+    if expected is not None:
+        check_matches(expected, config, folder)
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    state = from_hf_keys(load_safetensors(Path(folder)), config.tie_embeddings)
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise UserError(f"'{folder}' lacks {len(missing)} weights (e.g. '{missing[0]}'): an incomplete checkpoint")
+    model.load_state_dict(state, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    for module in model.modules():  # RoPE frequencies are not in checkpoints
+        if isinstance(module, Attention):
+            module.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    return model.float()
+
+
+LLAMA3_2_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+QWEN3 = dict(architecture="qwen3", vocab_size=151936, n_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1000000.0,
+             norm_eps=1e-6, tie_embeddings=True, max_seq_len=40960)
+FLAVORS = {
+    "llama_debug": dict(vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384,
+                        rope_scaling=dict(LLAMA3_2_ROPE, original_max_position_embeddings=64)),
+    "qwen3_debug": dict(QWEN3, vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
+                        ffn_hidden=384),
+    "llama3_2_1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
+                        rope_scaling=LLAMA3_2_ROPE, tie_embeddings=True),
+    "qwen3_0_6b": dict(QWEN3, dim=1024, n_layers=28, n_heads=16, ffn_hidden=3072),
+    "qwen3_1_7b": dict(QWEN3, dim=2048, n_layers=28, n_heads=16, ffn_hidden=6144),
+}
+
+
+def hf_config(cfg: DecoderLMConfig):
+    """The transformers LlamaConfig / Qwen3Config of a backbone config (its export is a
+    plain LlamaForCausalLM / Qwen3ForCausalLM)."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden,
+                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                  head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+                  max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings)
+    if cfg.architecture == "qwen3":
+        return Qwen3Config(**fields, architectures=["Qwen3ForCausalLM"])
+    return LlamaConfig(**fields, rope_scaling=cfg.rope_scaling, architectures=["LlamaForCausalLM"])
+
+
+FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen3 decoder (loads Hugging Face checkpoints; grafts "
+                "build on it)", flavors=FLAVORS, config_class=DecoderLMConfig, plain_class=DecoderLM,
+                hf_config=hf_config, state_dict_adapter=HFBackboneAdapter)
