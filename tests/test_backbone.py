@@ -128,3 +128,53 @@ def test_pretrained_flavors_have_the_published_sizes(flavor):
     assert abs(total / total_claimed - 1) < 0.02
     if body_claimed:
         assert abs((total - model.tok_embeddings.weight.numel()) / body_claimed - 1) < 0.02
+
+
+def qwen3_debug_checkpoint(folder, n_layers: int | None = None):
+    """A random transformers Qwen3 of the `qwen3_debug` flavor's shape (or another depth)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from torchtitan_ext.backbone import FAMILY
+
+    c = FAMILY.config("qwen3_debug")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden, num_hidden_layers=n_layers or c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+        rms_norm_eps=c.norm_eps, tie_word_embeddings=True, max_position_embeddings=c.max_seq_len)).save_pretrained(folder)
+
+
+HF_START = ["--module", "train_configs.backbone", "--config", "backbone_qwen3_debug", "--checkpoint.initial_load_in_hf",
+            "--validator.no-enable"]
+
+
+@pytest.mark.slow
+def test_training_starts_from_a_hugging_face_checkpoint(tokenizer_dir, tmp_path):
+    """`--checkpoint.initial_load_in_hf` reads the weights through the backbone's adapter: at
+    learning rate 0 the step-2 checkpoint holds the file's tensors bit for bit; at the debug
+    learning rate 20 steps lower the loss."""
+    from conftest import train
+    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+
+    qwen3_debug_checkpoint(tmp_path / "hf")
+    frozen = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--optimizer.param-groups.0.optimizer-kwargs.lr", "0",
+                               "--training.steps", "2", "--checkpoint.interval", "2", "--dump_folder", str(tmp_path / "a")])
+    assert frozen.returncode == 0, frozen
+    model, _ = build_model("train_configs.backbone", "backbone_qwen3_debug")
+    load_dcp_model(model, tmp_path / "a" / "checkpoint" / "step-2")
+    source = load_hf_backbone(tmp_path / "hf").state_dict()
+    assert all(torch.equal(value, source[key]) for key, value in model.state_dict().items())
+
+    tuned = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "20",
+                              "--dump_folder", str(tmp_path / "b")])
+    assert tuned.returncode == 0, tuned
+    assert tuned.losses[20] < tuned.losses[1] - 0.5
+
+
+def test_an_hf_checkpoint_of_another_shape_stops_before_training(tokenizer_dir, tmp_path):
+    from conftest import train
+
+    qwen3_debug_checkpoint(tmp_path / "hf", n_layers=3)
+    run = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--dump_folder", str(tmp_path / "run")])
+    assert run.returncode == 2 and "n_layers=3, the flavor has 4" in run.output.strip().splitlines()[-1]
+    assert not (tmp_path / "run" / "checkpoint").exists()

@@ -149,4 +149,5 @@ def hf_config(cfg: DecoderLMConfig):
 
 FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen3 decoder (loads Hugging Face checkpoints; grafts "
                 "build on it)", flavors=FLAVORS, config_class=DecoderLMConfig, plain_class=DecoderLM,
-                hf_config=hf_config, state_dict_adapter=HFBackboneAdapter)
+                hf_config=hf_config, state_dict_adapter=HFBackboneAdapter,
+                check_hf_folder=lambda config, folder: check_matches(config, read_hf_config(folder), folder))

@@ -44,6 +44,7 @@ class Family:
     diagnostics: Callable | None = None
     hf_config: Callable | None = None
     state_dict_adapter: type | None = None
+    check_hf_folder: Callable | None = None
     config_module: str = ""
 
     def __post_init__(self):

@@ -153,6 +153,25 @@ def check_tokenizer(config) -> None:
         )
 
 
+def check_initial_hf_checkpoint(config) -> None:
+    """With `--checkpoint.initial_load_in_hf`, the folder exists and (for families that can
+    tell, `Family.check_hf_folder`) holds a model of the flavor's shape."""
+    from torchtitan_ext.families import family_of_spec
+
+    checkpoint = config.checkpoint
+    if not (checkpoint.enable and checkpoint.initial_load_in_hf and checkpoint.initial_load_path):
+        return
+    folder = Path(checkpoint.initial_load_path)
+    if not folder.is_dir():
+        raise UserError(f"--checkpoint.initial_load_path '{folder}' does not exist: pass a Hugging Face model folder")
+    try:
+        family = family_of_spec(config.model_spec.name)
+    except ValueError:
+        return
+    if family.check_hf_folder is not None:
+        family.check_hf_folder(config.model_spec.model.model, folder)
+
+
 def check(config, world: int | None = None, explicit_local_batch: bool = False) -> None:
     """Raise a one-line UserError for the first problem of `config` run on `world` ranks
     (default: `world_size()`)."""
@@ -163,6 +182,7 @@ def check(config, world: int | None = None, explicit_local_batch: bool = False) 
     if config.validator.enable:
         check_dataset(config.validator.dataloader, "validator.dataloader")
     check_tokenizer(config)
+    check_initial_hf_checkpoint(config)
 
 
 def main(argv: list[str] | None = None) -> None:
