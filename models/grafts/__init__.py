@@ -1,0 +1,1 @@
+"""Memories and adapters grafted onto pretrained backbones (`models/backbones/`)."""
