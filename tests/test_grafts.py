@@ -50,3 +50,43 @@ def test_lora_equals_peft_and_merges(tmp_path):
         merge_lora(ours)
         assert not any(isinstance(m, LoRALinear) for m in ours.modules())
         torch.testing.assert_close(ours(TOKENS), expected, rtol=0, atol=1e-4)
+
+
+def test_layer_specs_name_the_thesis_placements_and_refuse_what_is_not_there():
+    import pytest
+
+    from models.grafts.graft import graft_layers
+
+    assert graft_layers("alma", 16) == [14, 15] and graft_layers("elma", 16) == [0, 1]
+    assert graft_layers("gema:4", 16) == [3, 7, 11, 15] and graft_layers("all", 3) == [0, 1, 2]
+    assert graft_layers("5,0,5", 16) == [0, 5]
+    with pytest.raises(ValueError, match="graft layer 16 is out of range: the backbone has blocks 0..15"):
+        graft_layers("2,16", 16)
+    with pytest.raises(ValueError, match="unknown"):
+        graft_layers("middle", 16)
+
+
+def test_a_lora_graft_from_config_freezes_the_backbone_and_trains_from_the_second_step(tmp_path):
+    from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
+
+    cfg = dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=96)
+    torch.manual_seed(0)
+    base = DecoderLM(DecoderLMConfig(**cfg))
+    off = DecoderLM(DecoderLMConfig(**cfg, graft={"kind": "none", "layers": "alma"}))
+    off.load_state_dict(base.state_dict())
+    grafted = DecoderLM(DecoderLMConfig(**cfg, graft={"kind": "lora", "layers": "alma", "lora": {"rank": 2, "dropout": 0.0}}))
+    grafted.load_state_dict(base.state_dict(), strict=False)  # the backbone's weights; LoRA keeps its init
+    with torch.no_grad():
+        assert torch.equal(off(TOKENS), base(TOKENS)) and all(p.requires_grad for p in off.parameters())
+        assert torch.equal(grafted(TOKENS), base(TOKENS))  # B = 0 after reset_parameters, as torchtitan builds it
+    trainable = {n for n, p in grafted.named_parameters() if p.requires_grad}
+    assert trainable == {f"layers.{i}.{TARGETS[t]}.lora_{f}.weight" for i in (2, 3) for t in TARGETS for f in "AB"}
+    optimizer = torch.optim.SGD([p for p in grafted.parameters() if p.requires_grad], lr=0.1)
+    for step in (1, 2):
+        optimizer.zero_grad()
+        grafted(TOKENS).logsumexp(-1).mean().backward()
+        a_grads = [grafted.get_submodule(f"layers.3.{TARGETS[t]}").lora_A.weight.grad.abs().max() for t in TARGETS]
+        b_grads = [grafted.get_submodule(f"layers.3.{TARGETS[t]}").lora_B.weight.grad.abs().max() for t in TARGETS]
+        assert min(b_grads) > 0 and (max(a_grads) == 0 if step == 1 else min(a_grads) > 0)  # A learns once B moved
+        optimizer.step()
+    assert all(p.grad is None for n, p in grafted.named_parameters() if n not in trainable)

@@ -21,11 +21,13 @@ Shapes: tokens (B, L) int64 -> logits (B, L, vocab_size).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from models.grafts.graft import apply_graft, GraftConfig
+from models.grafts.lora import LoRALinear
 from models.layers.attention import document_causal_attention
 from models.layers.ffn import SwiGLU
 from models.layers.rope import apply_half_rope, rope_inv_freq
@@ -50,11 +52,14 @@ class DecoderLMConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 131072  # max_position_embeddings
     init_std: float = 0.02
+    graft: GraftConfig = field(default_factory=GraftConfig)  # what is grafted onto the blocks (models/grafts/graft.py)
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"backbone architecture '{self.architecture}' unknown: choose one of {ARCHITECTURES}")
         self.head_dim = self.head_dim or self.dim // self.n_heads
+        if isinstance(self.graft, dict):
+            self.graft = GraftConfig(**self.graft)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
 
@@ -127,11 +132,13 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.enable_weight_tying = cfg.tie_embeddings
+        apply_graft(self, cfg.graft)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """N(0, init_std) for every matrix (transformers' init; pretrained weights replace
-        it), norms to one, RoPE frequencies recomputed (after to_empty), head re-tied."""
+        it), norms to one, RoPE frequencies recomputed (after to_empty), head re-tied; then
+        the grafts' own init (LoRA: B = 0, so the grafted model starts as the backbone)."""
         with torch.no_grad():
             if self.enable_weight_tying:
                 self.lm_head.weight = self.tok_embeddings.weight
@@ -142,6 +149,9 @@ class DecoderLM(nn.Module):
                     module.reset_parameters()
                 elif isinstance(module, Attention):
                     module.inv_freq.copy_(rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling))
+            for module in self.modules():
+                if isinstance(module, LoRALinear):
+                    module.reset_lora()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
         """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None (one
