@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models.grafts.lora import apply_lora, LoRAConfig, LoRALinear, merge_lora, TARGETS
@@ -53,8 +54,6 @@ def test_lora_equals_peft_and_merges(tmp_path):
 
 
 def test_layer_specs_name_the_thesis_placements_and_refuse_what_is_not_there():
-    import pytest
-
     from models.grafts.graft import graft_layers
 
     assert graft_layers("alma", 16) == [14, 15] and graft_layers("elma", 16) == [0, 1]
@@ -90,3 +89,40 @@ def test_a_lora_graft_from_config_freezes_the_backbone_and_trains_from_the_secon
         assert min(b_grads) > 0 and (max(a_grads) == 0 if step == 1 else min(a_grads) > 0)  # A learns once B moved
         optimizer.step()
     assert all(p.grad is None for n, p in grafted.named_parameters() if n not in trainable)
+
+
+@pytest.mark.slow
+def test_a_lora_finetune_from_hugging_face_keeps_the_backbone_and_exports_merged(tokenizer_dir, tmp_path):
+    """Through scripts/train.sh: LoRA on a random tiny Qwen3 read with
+    --checkpoint.initial_load_in_hf; 20 steps lower the loss, every backbone tensor of the
+    step-20 checkpoint is the Hugging Face file's bit for bit, and --merge-lora exports a plain
+    Qwen3ForCausalLM whose logits (in a Python without the project) are the finetune's."""
+    from conftest import train
+    from test_backbone import qwen3_debug_checkpoint
+    from test_hf import load_without_project, run_script
+    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+
+    qwen3_debug_checkpoint(tmp_path / "hf")
+    config = ["--module", "train_configs.backbone", "--config", "backbone_qwen3_debug_lora"]
+    run = train(config + ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                          "--validator.no-enable", "--training.steps", "20", "--checkpoint.interval", "20",
+                          "--dump_folder", str(tmp_path / "run")])
+    assert run.returncode == 0, run
+    assert run.losses[20] < run.losses[1] - 0.3
+    step = tmp_path / "run" / "checkpoint" / "step-20"
+    model, _ = build_model("train_configs.backbone", "backbone_qwen3_debug_lora")
+    load_dcp_model(model, step)
+    state, source = model.state_dict(), load_hf_backbone(tmp_path / "hf").state_dict()
+    assert all(torch.equal(state[key], value) for key, value in source.items())  # frozen means frozen
+    assert min(state[k].abs().max() for k in state if ".lora_B." in k) > 0  # every adapter moved
+
+    args = config + ["--checkpoint", step]
+    assert run_script("convert_to_hf.py", *args, "--out", tmp_path / "unmerged") == 2  # LoRA has no plain form
+    assert not (tmp_path / "unmerged").exists()
+    assert run_script("convert_to_hf.py", *args, "--out", tmp_path / "merged", "--merge-lora") == 0
+    x = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(1))
+    torch.save(x, tmp_path / "x.pt")
+    hf = load_without_project(tmp_path / "merged", tmp_path / "x.pt", tmp_path)
+    assert hf["class"] == "Qwen3ForCausalLM"
+    with torch.no_grad():
+        assert (hf["logits"] - model(x)).abs().max() < 1e-5

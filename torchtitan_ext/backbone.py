@@ -51,8 +51,15 @@ def _rename(key: str, source: int) -> str:
     raise UserError(f"weight '{key}' has no counterpart in a Llama / Qwen3 checkpoint: is this a backbone model?")
 
 
+def is_graft_key(key: str) -> bool:
+    """Weights a graft adds (no Hugging Face counterpart): LoRA factors."""
+    return ".lora_A." in key or ".lora_B." in key
+
+
 def to_hf_keys(state: dict, tied: bool) -> dict:
-    return {_rename(k, 0): v for k, v in state.items() if not (tied and k == "lm_head.weight")}
+    """Our backbone keys -> Hugging Face keys; graft weights are left out (an initial load
+    from a Hugging Face folder leaves them at their init; the exporter merges or refuses)."""
+    return {_rename(k, 0): v for k, v in state.items() if not (tied and k == "lm_head.weight") and not is_graft_key(k)}
 
 
 def from_hf_keys(state: dict, tied: bool) -> dict:
@@ -135,8 +142,12 @@ FLAVORS = {
 
 def hf_config(cfg: DecoderLMConfig):
     """The transformers LlamaConfig / Qwen3Config of a backbone config (its export is a
-    plain LlamaForCausalLM / Qwen3ForCausalLM)."""
+    plain LlamaForCausalLM / Qwen3ForCausalLM); a graft must have been merged away first."""
     from transformers import LlamaConfig, Qwen3Config
+
+    if cfg.graft.kind != "none":
+        raise UserError(f"a backbone with a '{cfg.graft.kind}' graft has no plain transformers form: pass --merge-lora "
+                        "to fold LoRA into the weights")
 
     fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,

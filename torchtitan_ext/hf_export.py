@@ -139,12 +139,24 @@ def _remote_code(family: Family, plain_config, folder: Path):
     return config
 
 
-def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: str | int = "2GB") -> None:
-    """Write `model` (built from `trainer_config`) as a Hugging Face folder at `out`."""
+def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: str | int = "2GB",
+           merge_lora: bool = False) -> None:
+    """Write `model` (built from `trainer_config`) as a Hugging Face folder at `out`; with
+    `merge_lora`, LoRA factors are folded into the weights first (a LoRA-only finetune of a
+    backbone then exports as the plain transformers class)."""
     from transformers import GenerationConfig
+
+    from models.grafts.graft import GraftConfig
+    from models.grafts.lora import merge_lora as merge
 
     spec = trainer_config.model_spec
     family = export_family(spec.name)
+    if merge_lora:
+        graft = getattr(getattr(model, "cfg", None), "graft", None)
+        if graft is None or graft.kind != "lora":
+            raise UserError(f"--merge-lora: {spec.name} {spec.flavor} has no LoRA graft to merge")
+        merge(model)
+        model.cfg = dataclasses.replace(model.cfg, graft=GraftConfig())
     with staged_folder(out) as staging:
         adapter = spec.state_dict_adapter(spec.model, None)
         state = {k: v.detach().clone() for k, v in adapter.to_hf(model.state_dict()).items()}

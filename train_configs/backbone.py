@@ -7,6 +7,8 @@ grafted finetunes build on.
 
 from torchtitan.trainer import Trainer
 
+from models.grafts.graft import GraftConfig
+from models.grafts.lora import LoRAConfig
 from torchtitan_ext.backbone import FAMILY
 from train_configs.recipe import debug_recipe
 
@@ -19,3 +21,10 @@ def backbone_llama_debug() -> Trainer.Config:
 def backbone_qwen3_debug() -> Trainer.Config:
     """A 4-layer Qwen3 (q/k norm, head_dim 64 with dim 128 / 4 heads, tied), embedded corpus, CPU."""
     return debug_recipe(FAMILY.model_spec("qwen3_debug"), name="backbone_qwen3_debug")
+
+
+def backbone_qwen3_debug_lora() -> Trainer.Config:
+    """backbone_qwen3_debug with LoRA (rank 8, alpha 16) on every block, the backbone frozen;
+    start it from a Hugging Face folder with --checkpoint.initial_load_in_hf."""
+    graft = GraftConfig(kind="lora", layers="all", lora=LoRAConfig(rank=8, alpha=16.0, dropout=0.0))
+    return debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="backbone_qwen3_debug_lora", lr=1e-2)
