@@ -2,9 +2,10 @@
 FlopCounterMode over one training step (forward + backward) of each debug model, within 10%.
 
 FlopCounterMode counts matmul-like ops only (mm, bmm, addmm, convolution, attention), as
-our count does. One adjustment: it counts a grouped convolution's backward as if the
+our count does. Two adjustments: it counts a grouped convolution's backward as if the
 convolution were dense (for the memories' depthwise q/k/v conv, 3 * inner times its
-forward), so the conv backward is taken at twice the forward instead.
+forward), so the conv backward is taken at twice the forward instead; and it has no formula
+for the CPU flash-attention kernels SDPA picks here, so they get torch's own SDPA formulas.
 """
 
 from __future__ import annotations
@@ -13,21 +14,32 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from models.lms.mela import Mela
-from torchtitan_ext import flops, mela, titans
+from models.backbones.decoder_lm import DecoderLM
+from models.grafts.graft import GraftConfig
+from torchtitan_ext import backbone, flops, mela, titans
 from torchtitan_ext.families import families
 
 # seq_len per family: Titans at its window (64 = 4 memory chunks of 16), Mela at 4 decoder
 # chunks of P * C = 64, the MLP-FFN LM at 128.
-SEQ_LEN = {"titans": 64, "mela": 256, "mlp_lm": 128}
-# (model class, plain config, seq_len) of every family with its own count, at the debug flavor.
-CASES = {f"{spec_name}_debug": (family.plain_class, family.config("debug", **overrides), SEQ_LEN[family.name])
+SEQ_LEN = {"titans": 64, "mela": 256, "mlp_lm": 128, "backbone": 128}
+# (model class, plain config, seq_len) of every family with its own count, at its debug flavors.
+CASES = {f"{spec_name}_{flavor}": (family.plain_class, family.config(flavor, **overrides), SEQ_LEN[family.name])
          for family in families().values() if family.flops_per_token
-         for spec_name, flavor, overrides in family.specs() if flavor == "debug"} | {
+         for spec_name, flavor, overrides in family.specs() if flavor.endswith("debug")} | {
+    "backbone_qwen3_debug_lora": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(kind="lora")), 128),
     "mela_debug_per_step_chain": (Mela, mela.model_config("debug", memory_chain="per_step"), 256),
     "mela_debug_memory_path_off": (Mela, mela.model_config("debug", memory_path=False), 256),
+}
+
+
+CPU_FLASH_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
 }
 
 
@@ -35,7 +47,7 @@ def measured_flops_per_token(model_cls, config, seq_len: int) -> float:
     torch.manual_seed(0)
     model = model_cls(config)
     tokens = torch.randint(0, config.vocab_size, (1, seq_len))
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=CPU_FLASH_ATTENTION) as counter:
         model(tokens).logsumexp(-1).mean().backward()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     conv = counts.pop("aten.convolution", 0)

@@ -23,6 +23,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from models.backbones.decoder_lm import Attention, config_from_hf, DecoderLM, DecoderLMConfig
 from models.layers.rope import rope_inv_freq
+from torchtitan_ext import flops
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family
 
@@ -160,5 +161,6 @@ def hf_config(cfg: DecoderLMConfig):
 
 FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen3 decoder (loads Hugging Face checkpoints; grafts "
                 "build on it)", flavors=FLAVORS, config_class=DecoderLMConfig, plain_class=DecoderLM,
-                hf_config=hf_config, state_dict_adapter=HFBackboneAdapter,
+                hf_config=hf_config, state_dict_adapter=HFBackboneAdapter, flops_per_token=flops.decoder_lm,
                 check_hf_folder=lambda config, folder: check_matches(config, read_hf_config(folder), folder))
+model_config, model_spec = FAMILY.config, FAMILY.model_spec

@@ -16,12 +16,14 @@ tests/test_flops.py checks each count against torch's FlopCounterMode over a tra
 
 from __future__ import annotations
 
+from models.backbones.decoder_lm import DecoderLMConfig
+from models.grafts.graft import graft_layers
 from models.lms.mela import MelaConfig
 from models.lms.mlp_lm import MLPLMConfig
 from models.memory.neural_memory import NeuralMemoryConfig
 from models.lms.titans import TitansConfig
 
-TRAIN, FORWARD_ONLY = 3, 1
+TRAIN, FORWARD_AND_INPUT_GRAD, FORWARD_ONLY = 3, 2, 1
 
 
 def linear(d_in: int, d_out: int) -> float:
@@ -85,6 +87,24 @@ def mlp_lm(cfg: MLPLMConfig, seq_len: int) -> float:
     d, kv = cfg.dim, (cfg.n_kv_heads or cfg.n_heads) * cfg.head_dim
     block = 2 * linear(d, d) + 2 * linear(d, kv) + attention_span(d, seq_len) + 2 * linear(d, cfg.ffn_dim)
     return TRAIN * (cfg.n_layers * block + linear(d, cfg.vocab_size))
+
+
+def decoder_lm(cfg: DecoderLMConfig, seq_len: int) -> float:
+    """Per token: the backbone's GQA projections (explicit head_dim) and span, SwiGLU FFN,
+    output head, and the LoRA factors of a graft. A frozen backbone's matmuls count 2x their
+    forward (the activations' gradient is still taken, the weights' is not), trained ones 3x."""
+    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    block = 2 * linear(d, q) + 2 * linear(d, kv) + attention_span(q, seq_len) + 3 * linear(d, cfg.ffn_hidden)
+    lora = 0.0
+    if cfg.graft.lora is not None:
+        r = cfg.graft.lora.rank
+        shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, cfg.ffn_hidden),
+                  "up": (d, cfg.ffn_hidden), "down": (cfg.ffn_hidden, d)}
+        per_block = sum(linear(shapes[t][0], r) + linear(r, shapes[t][1]) for t in cfg.graft.lora.targets)
+        lora = per_block * len(graft_layers(cfg.graft.layers, cfg.n_layers))
+    backbone = cfg.n_layers * block + linear(d, cfg.vocab_size)
+    frozen = cfg.graft.kind != "none" and cfg.graft.train == "graft"
+    return (FORWARD_AND_INPUT_GRAD if frozen else TRAIN) * backbone + TRAIN * lora
 
 
 def mela(cfg: MelaConfig, seq_len: int) -> float:
