@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then train transformer_debug, titans_mac_debug and mela_debug on the embedded
 # corpus (no network needed). Each run logs to a file; the console ends with one line per
-# model: loss fall, throughput, checkpoint. About 5 minutes on 2 CPU cores.
+# model: loss fall, throughput, checkpoint. About 10 minutes on 2 CPU cores, setup included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
