@@ -24,13 +24,20 @@ MODULES = ("transformer", "mlp_lm", "titans", "mela", "backbone")  # torchtitan_
 
 @dataclass(frozen=True)
 class Family:
-    """name: the ModelSpec name (with `variant_field`: `<name>_<variant>` per variant) and
-    the export's `family`; summary: one catalogue line; flavors: {flavor: config fields};
+    """Everything the project knows about one model family.
+
+    name: the ModelSpec name (with `variant_field`: `<name>_<variant>` per variant) and the
+    export's `family`; summary: one catalogue line; flavors: {flavor: config fields};
     config_class: the plain config dataclass; plain_class: the `models/` class (a remote-code
-    export ships its source; None: the family builds its spec with `build_spec`); flops_per_token(config, seq_len): training FLOPs per
-    token (None: 6 x parameters); diagnostics(model): `memory/...` metrics of the last
-    forward, found through wrappers (logged by `MemoryTrainer`); config_module: the
-    `train_configs` module."""
+    export ships its source; None: the family builds its spec with `build_spec`);
+    flops_per_token(config, seq_len): training FLOPs per token (None: 6 x parameters);
+    diagnostics(model): `memory/...` metrics of the last forward, found through wrappers
+    (logged by `MemoryTrainer`); hf_config(config): the transformers config of a family that
+    exports as a standard transformers class (None: remote code); state_dict_adapter:
+    torchtitan's adapter to Hugging Face keys (None: the export wrapper's `model.` prefix);
+    check_hf_folder(config, folder): UserError unless a Hugging Face folder holds a model of
+    `config`'s shape (preflight, before an initial load); config_module: the `train_configs`
+    module (default `train_configs.<name>`)."""
 
     name: str
     summary: str
