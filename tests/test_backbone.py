@@ -60,6 +60,29 @@ def test_keys_round_trip_and_the_tied_head_is_dropped():
     assert back.keys() == model.state_dict().keys()
 
 
+def test_the_pretrained_flavors_read_their_public_config_files():
+    """config.json as the Hub has them (Llama 3.2: rope_scaling beside rope_theta; Qwen3) and as
+    transformers 5 writes them (rope_parameters) give the flavors' configs."""
+    from models.backbones.decoder_lm import config_from_hf
+    from torchtitan_ext.backbone import check_matches, FAMILY, hf_config
+
+    llama = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+             "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+             "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+             "max_position_embeddings": 131072, "hidden_act": "silu",
+             "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                              "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    qwen3 = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+             "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+             "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+             "max_position_embeddings": 40960, "hidden_act": "silu", "use_sliding_window": False}
+    for flavor, hub in (("llama3_2_1b", llama), ("qwen3_0_6b", qwen3)):
+        expected = FAMILY.config(flavor)
+        check_matches(expected, config_from_hf(hub), "hub")
+        check_matches(expected, config_from_hf(hf_config(expected).to_dict() | {"model_type": hub["model_type"]}),
+                      "transformers 5")
+
+
 def test_a_checkpoint_of_another_shape_is_one_clear_error(tmp_path):
     hf_checkpoint("llama_gqa_untied", tmp_path)
     expected = DecoderLMConfig(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=96)

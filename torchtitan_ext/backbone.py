@@ -156,7 +156,8 @@ def hf_config(cfg: DecoderLMConfig):
                   max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings)
     if cfg.architecture == "qwen3":
         return Qwen3Config(**fields, architectures=["Qwen3ForCausalLM"])
-    return LlamaConfig(**fields, rope_scaling=cfg.rope_scaling, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(**fields, rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+                       architectures=["LlamaForCausalLM"])
 
 
 FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen3 decoder (loads Hugging Face checkpoints; grafts "

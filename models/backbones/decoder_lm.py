@@ -33,6 +33,7 @@ from models.layers.ffn import SwiGLU
 from models.layers.rope import apply_half_rope, rope_inv_freq
 
 ARCHITECTURES = ("llama", "qwen3")
+ROPE_SCALING_FIELDS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
@@ -58,6 +59,8 @@ class DecoderLMConfig:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"backbone architecture '{self.architecture}' unknown: choose one of {ARCHITECTURES}")
         self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.rope_scaling:  # a copy holding the scaling's own fields (transformers 5 adds rope_theta to its dict)
+            self.rope_scaling = {k: self.rope_scaling[k] for k in ROPE_SCALING_FIELDS if k in self.rope_scaling}
         if isinstance(self.graft, dict):
             self.graft = GraftConfig(**self.graft)
         if self.n_heads % self.n_kv_heads:
