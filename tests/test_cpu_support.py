@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +28,8 @@ def test_cpu_device_module_reports_memory_and_capacity():
 
 def test_gloo_reduction_is_a_plain_sum(monkeypatch):
     group = SimpleNamespace(size=lambda: 2)
-    monkeypatch.setattr(collectives, "_get_gradient_divide_factors", collectives._get_gradient_divide_factors)
+    # FSDP2's own function, whatever this process patched before (cpu.apply() in earlier tests)
+    monkeypatch.setattr(collectives, "_get_gradient_divide_factors", inspect.unwrap(collectives._get_gradient_divide_factors))
     before = collectives._get_gradient_divide_factors(group, None, torch.float32, "cpu", 1.0, False)
     assert before[2] != torch.distributed.ReduceOp.SUM  # PREMUL_SUM: unsupported by gloo
     cpu._patch_gloo_gradient_reduction()
