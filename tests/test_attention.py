@@ -96,3 +96,15 @@ def test_masked_attention_flex_path_matches_dense_path(mask_name):
     k, v = (torch.randn(1, 2, kv_len, 16, generator=g) for _ in range(2))
     flex = _flex_masked_attention(q, k, v, mask_mod, None, False)
     torch.testing.assert_close(flex, masked_attention(q, k, v, mask_mod), atol=1e-5, rtol=1e-5)
+
+
+def test_a_chunk_of_queries_over_a_cache_is_the_last_rows_of_full_attention():
+    """Queries of the last Lq tokens over all Lk keys (MemoryLlama's chunk over its cache)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 40, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 40, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    positions = random_positions(2, 40, g)
+    for docs in (positions, None):
+        full = reference_attention(q, k, v, positions if docs is not None else torch.arange(40).expand(2, 40))
+        for start in (0, 13, 39):
+            torch.testing.assert_close(document_causal_attention(q[:, :, start:], k, v, docs), full[:, :, start:])

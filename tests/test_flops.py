@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from models.lms.mela import Mela
 from models.backbones.decoder_lm import DecoderLM
 from models.grafts.graft import GraftConfig
+from models.grafts.lora import LoRAConfig
 from torchtitan_ext import backbone, flops, mela, titans
 from torchtitan_ext.families import families
 
@@ -30,6 +31,8 @@ CASES = {f"{spec_name}_{flavor}": (family.plain_class, family.config(flavor, **o
          for family in families().values() if family.flops_per_token
          for spec_name, flavor, overrides in family.specs() if flavor.endswith("debug")} | {
     "backbone_qwen3_debug_lora": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(kind="lora")), 128),
+    "backbone_llama_debug_memoryllama": (DecoderLM, backbone.model_config("llama_debug", graft=GraftConfig(
+        kind="memoryllama", layers="alma", lora=LoRAConfig(rank=4), lora_layers="all", memory={"chunk_size": 32})), 128),
     "mela_debug_per_step_chain": (Mela, mela.model_config("debug", memory_chain="per_step"), 256),
     "mela_debug_memory_path_off": (Mela, mela.model_config("debug", memory_path=False), 256),
 }

@@ -17,6 +17,7 @@ from torchtitan.models.common.attention import create_varlen_metadata_for_docume
 
 from kernels import memory_update, newton_schulz
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
+from models.grafts.graft import GraftConfig
 from models.lms.mela import Mela, MelaConfig, mela_memory
 from models.lms.mlp_lm import MLPLM, MLPLMConfig
 from models.lms.titans import TitansConfig, TitansLM, VARIANTS
@@ -42,10 +43,16 @@ def mlp_lm():
     return MLPLM(MLPLMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
 
 
-def backbone():
+def backbone(graft: GraftConfig | None = None):
     # Qwen3's shape ratios at small width: head_dim 16 with dim 32 / 4 heads, q/k norm, tied, GQA.
     return DecoderLM(DecoderLMConfig(architecture="qwen3", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
-                                     n_kv_heads=2, head_dim=16, ffn_hidden=64, qk_norm=True, tie_embeddings=True))
+                                     n_kv_heads=2, head_dim=16, ffn_hidden=64, qk_norm=True, tie_embeddings=True,
+                                     graft=graft or GraftConfig()))
+
+
+def memoryllama():
+    # The 1B configs' ratio: 2048 tokens / chunks of 64 = 32 chunks; here 40 / 8 = 5, a memory in each block.
+    return backbone(GraftConfig(kind="memoryllama", layers="all", memory={"chunk_size": 8}, lora={"rank": 2}))
 
 
 class TransformerPP(torch.nn.Module):
@@ -68,7 +75,7 @@ class TransformerPP(torch.nn.Module):
 
 FAMILIES = {f"titans_{v}": (lambda v=v: titans(v)) for v in VARIANTS} | {
     "mela": mela, "mela_per_step_chain": lambda: mela(memory_chain="per_step"), "mlp_lm": mlp_lm,
-    "transformer": TransformerPP, "backbone": backbone}
+    "transformer": TransformerPP, "backbone": backbone, "memoryllama": memoryllama}
 STREAMING = {name for name in FAMILIES if name.startswith(("titans", "mela"))}
 
 

@@ -10,14 +10,14 @@ from torchtitan_ext.families import families
 
 def config_functions() -> dict[str, list[tuple[str, str]]]:
     """{config module: [(function, first docstring line)]} of every registered family: the
-    module's public functions named after the family."""
+    module's public functions that take no arguments (helpers are private or take some)."""
     catalogue = {}
     for family in families().values():
         module = importlib.import_module(family.config_module)
         catalogue[family.config_module] = [
             (name, (inspect.getdoc(fn) or "").split("\n")[0])
             for name, fn in inspect.getmembers(module, inspect.isfunction)
-            if name.startswith(family.name + "_") and fn.__module__ == module.__name__
+            if not name.startswith("_") and fn.__module__ == module.__name__ and not inspect.signature(fn).parameters
         ]
     return catalogue
 

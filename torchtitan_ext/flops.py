@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from models.backbones.decoder_lm import DecoderLMConfig
 from models.grafts.graft import graft_layers
+from models.grafts.memory_llama import memory_config
 from models.lms.mela import MelaConfig
 from models.lms.mlp_lm import MLPLMConfig
 from models.memory.neural_memory import NeuralMemoryConfig
@@ -91,20 +92,31 @@ def mlp_lm(cfg: MLPLMConfig, seq_len: int) -> float:
 
 def decoder_lm(cfg: DecoderLMConfig, seq_len: int) -> float:
     """Per token: the backbone's GQA projections (explicit head_dim) and span, SwiGLU FFN,
-    output head, and the LoRA factors of a graft. A frozen backbone's matmuls count 2x their
-    forward (the activations' gradient is still taken, the weights' is not), trained ones 3x."""
+    output head, and what a graft adds: LoRA factors; a MemoryLlama block's memory (write,
+    the read of m and the read of h), W_DP and W_g, its chunked attention attending over
+    (seq_len + chunk) / 2 keys on average (what the chunk-by-chunk attention computes) in
+    place of the block's seq_len. A frozen backbone's matmuls count 2x their forward (the
+    activations' gradient is still taken, the weights' is not), trained ones 3x."""
     d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     block = 2 * linear(d, q) + 2 * linear(d, kv) + attention_span(q, seq_len) + 3 * linear(d, cfg.ffn_hidden)
-    lora = 0.0
-    if cfg.graft.lora is not None:
-        r = cfg.graft.lora.rank
+    graft, added = cfg.graft, 0.0
+    if graft.lora is not None:
+        r = graft.lora.rank
         shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, cfg.ffn_hidden),
                   "up": (d, cfg.ffn_hidden), "down": (cfg.ffn_hidden, d)}
-        per_block = sum(linear(shapes[t][0], r) + linear(r, shapes[t][1]) for t in cfg.graft.lora.targets)
-        lora = per_block * len(graft_layers(cfg.graft.layers, cfg.n_layers))
+        per_block = sum(linear(shapes[t][0], r) + linear(r, shapes[t][1]) for t in graft.lora.targets)
+        added += per_block * len(graft_layers(graft.lora_layers or graft.layers, cfg.n_layers))
     backbone = cfg.n_layers * block + linear(d, cfg.vocab_size)
-    frozen = cfg.graft.kind != "none" and cfg.graft.train == "graft"
-    return (FORWARD_AND_INPUT_GRAD if frozen else TRAIN) * backbone + TRAIN * lora
+    if graft.kind == "memoryllama":
+        memory = memory_config(d, graft.memory)
+        read_h = linear(d, d) + memory_mlp(memory) + linear(d, d)
+        per_block = neural_memory(memory) + read_h + linear(2 * d, d) + linear(d, d)
+        grafted = len(graft_layers(graft.layers, cfg.n_layers))
+        added += grafted * per_block
+        chunk = min(graft.memory.chunk_size, seq_len)
+        backbone -= grafted * (attention_span(q, seq_len) - attention_span(q, (seq_len + chunk) / 2))
+    frozen = graft.kind != "none" and graft.train == "graft"
+    return (FORWARD_AND_INPUT_GRAD if frozen else TRAIN) * backbone + TRAIN * added
 
 
 def mela(cfg: MelaConfig, seq_len: int) -> float:

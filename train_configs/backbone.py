@@ -5,12 +5,16 @@ torchtitan path (FSDP2, AC, compile, DCP, export as a transformers Llama / Qwen3
 grafted finetunes build on.
 """
 
+import dataclasses
+
+from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.trainer import Trainer
 
 from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
 from torchtitan_ext.backbone import FAMILY
-from train_configs.recipe import debug_recipe
+from torchtitan_ext.paths import REPO_ROOT
+from train_configs.recipe import debug_recipe, grouped_adamw, paper_recipe
 
 
 def backbone_llama_debug() -> Trainer.Config:
@@ -28,3 +32,89 @@ def backbone_qwen3_debug_lora() -> Trainer.Config:
     start it from a Hugging Face folder with --checkpoint.initial_load_in_hf."""
     graft = GraftConfig(kind="lora", layers="all", lora=LoRAConfig(rank=8, alpha=16.0, dropout=0.0))
     return debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="backbone_qwen3_debug_lora", lr=1e-2)
+
+
+# MemoryLlama (thesis section 4): a neural memory in the chosen blocks, LoRA r16 / alpha 32 /
+# dropout 0.05 on every block's q, k, v, o, gate, up, down, the backbone frozen.
+MEMORYLLAMA_LAYERS = {"alma": "alma", "elma": "elma", "gema": "gema:2"}  # GeMA: every second block (section 4.1.4)
+LORA_PARAMETERS = r"\.lora_[AB]\."
+THESIS_STEPS = 20000  # section 4.2.2: 12,000-20,000 steps of 16 x 2048 tokens
+# The Hugging Face folder of meta-llama/Llama-3.2-1B (config.json, safetensors, tokenizer.json),
+# downloaded by the user; another: --checkpoint.initial_load_path <folder> --hf_assets_path <folder>.
+LLAMA3_2_1B = str(REPO_ROOT / "assets" / "hf" / "Llama-3.2-1B")
+
+
+def _memoryllama_graft(placement: str, memory: dict, lora: LoRAConfig | None = None) -> GraftConfig:
+    return GraftConfig(kind="memoryllama", layers=MEMORYLLAMA_LAYERS[placement], lora=lora or LoRAConfig(),
+                       lora_layers="all", memory=memory)
+
+
+# The thesis' memory as printed: its init, Titans' per-token rule token by token (slow: 2048
+# sequential steps per grafted block and sequence; models/grafts/memory_llama.py).
+THESIS_MEMORY = {"init": "thesis", "update": "titans", "chunk_size": 1}
+
+
+def _memoryllama_1b(placement: str, *, init: str, constant_lr: bool) -> Trainer.Config:
+    """Llama-3.2-1B from its Hugging Face folder, FineWeb-Edu 2048-token sequences, 16 per
+    step (4 per rank, accumulated to 16), AdamW weight decay 0.1, clip 1.0. The thesis trains
+    memory and LoRA at one constant lr 1e-3; the stable default keeps 1e-3 for the memory and
+    gives LoRA 2e-4 (group 0, `--optimizer.param-groups.0.optimizer-kwargs.lr`), after 200
+    warmup steps, cosine to 10%."""
+    name = f"memoryllama_{placement}_1b" + ("_thesis" if constant_lr else "")
+    graft = _memoryllama_graft(placement, THESIS_MEMORY if init == "thesis" else {})
+    config = paper_recipe(FAMILY.model_spec("llama3_2_1b", graft=graft), name=name, lr=1e-3, local_batch_size=4)
+    config.training = dataclasses.replace(config.training, seq_len=2048, global_batch_size=16, steps=THESIS_STEPS)
+    config.hf_assets_path = LLAMA3_2_1B
+    config.checkpoint = dataclasses.replace(config.checkpoint, initial_load_path=LLAMA3_2_1B, initial_load_in_hf=True)
+    if constant_lr:
+        config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0)
+    else:
+        config.optimizer = grouped_adamw([(LORA_PARAMETERS, 2e-4), (".*", 1e-3)])
+        config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_factor=0.1)
+    return config
+
+
+def memoryllama_alma_1b() -> Trainer.Config:
+    """MemoryLlama ALMA (memory in the last two blocks) on Llama-3.2-1B, exact init, warmup 200 + cosine."""
+    return _memoryllama_1b("alma", init="exact", constant_lr=False)
+
+
+def memoryllama_elma_1b() -> Trainer.Config:
+    """MemoryLlama ELMA (memory in the first two blocks) on Llama-3.2-1B, exact init, warmup 200 + cosine."""
+    return _memoryllama_1b("elma", init="exact", constant_lr=False)
+
+
+def memoryllama_gema_1b() -> Trainer.Config:
+    """MemoryLlama GeMA (memory in every second block) on Llama-3.2-1B, exact init, warmup 200 + cosine."""
+    return _memoryllama_1b("gema", init="exact", constant_lr=False)
+
+
+def memoryllama_alma_1b_thesis() -> Trainer.Config:
+    """The thesis' ALMA run: its init (W_x = I, b_g = -6, o = y + x_DP), per-token update, constant lr 1e-3."""
+    return _memoryllama_1b("alma", init="thesis", constant_lr=True)
+
+
+def memoryllama_elma_1b_thesis() -> Trainer.Config:
+    """The thesis' ELMA run: its init (W_x = I, b_g = -6, o = y + x_DP), per-token update, constant lr 1e-3."""
+    return _memoryllama_1b("elma", init="thesis", constant_lr=True)
+
+
+def _memoryllama_debug(placement: str) -> Trainer.Config:
+    graft = _memoryllama_graft(placement, {"chunk_size": 32}, LoRAConfig(rank=8, alpha=16.0, dropout=0.0))
+    return debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name=f"memoryllama_{placement}_debug", lr=1e-2)
+
+
+def memoryllama_alma_debug() -> Trainer.Config:
+    """ALMA on backbone_qwen3_debug (memory chunks of 32 tokens, LoRA rank 8 on every block);
+    start it from a Hugging Face folder with --checkpoint.initial_load_in_hf."""
+    return _memoryllama_debug("alma")
+
+
+def memoryllama_elma_debug() -> Trainer.Config:
+    """ELMA on backbone_qwen3_debug (memory chunks of 32 tokens, LoRA rank 8 on every block)."""
+    return _memoryllama_debug("elma")
+
+
+def memoryllama_gema_debug() -> Trainer.Config:
+    """GeMA (every second block) on backbone_qwen3_debug (memory chunks of 32, LoRA rank 8)."""
+    return _memoryllama_debug("gema")

@@ -12,7 +12,8 @@ from __future__ import annotations
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
+from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
@@ -44,6 +45,15 @@ def _trainer_config(model_spec: ModelSpec, *, name: str, **fields) -> Trainer.Co
         activation_checkpoint=SelectiveAC.Config(),
         **fields,
     )
+
+
+def grouped_adamw(groups: list[tuple[str, float]]) -> OptimizersContainer.Config:
+    """The recipes' AdamW with one learning rate per parameter-name regex, first match wins
+    (torchtitan's param_groups; `--optimizer.param-groups.<i>.optimizer-kwargs.lr` sets one)."""
+    base = default_adamw().param_groups[0]
+    return OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=pattern, optimizer_name=base.optimizer_name,
+                         optimizer_kwargs={**base.optimizer_kwargs, "lr": lr}) for pattern, lr in groups])
 
 
 def paper_recipe(model_spec: ModelSpec, *, name: str, lr: float = 1e-3, local_batch_size: int = 8,

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from models.grafts.graft import apply_graft, GraftConfig
-from models.grafts.lora import LoRALinear
+from models.grafts.graft import apply_graft, GraftConfig, reset_grafts
 from models.layers.attention import document_causal_attention
 from models.layers.ffn import SwiGLU
 from models.layers.rope import apply_half_rope, rope_inv_freq
@@ -98,15 +97,24 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
-        """x (B, L, dim); positions (B, L) for RoPE; doc_positions (B, L) or None for masking."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, L, dim), positions (B, L) -> q (B, n_heads, L, head_dim), k and v
+        (B, n_kv_heads, L, head_dim): projected, q/k-normed (Qwen3) and rotated."""
         q, k, v = (w(x).unflatten(-1, (-1, self.cfg.head_dim)) for w in (self.wq, self.wk, self.wv))
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        q, k = apply_half_rope(q, positions, self.inv_freq), apply_half_rope(k, positions, self.inv_freq)
+        return apply_half_rope(q, positions, self.inv_freq), apply_half_rope(k, positions, self.inv_freq), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_positions: torch.Tensor | None):
+        """Projected q (B, n_heads, Lq, head_dim) over k, v (B, n_kv_heads, Lk, head_dim), the
+        queries being the last Lq of the Lk tokens; doc_positions (B, Lk) or None -> (B, Lq, dim)."""
         out = document_causal_attention(q, k, v, doc_positions, scale=1 / math.sqrt(self.cfg.head_dim))
         return self.wo(out.transpose(1, 2).flatten(-2))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
+        """x (B, L, dim); positions (B, L) for RoPE; doc_positions (B, L) or None for masking."""
+        return self.attend(*self.project(x, positions), doc_positions)
 
 
 class Block(nn.Module):
@@ -141,7 +149,7 @@ class DecoderLM(nn.Module):
     def reset_parameters(self) -> None:
         """N(0, init_std) for every matrix (transformers' init; pretrained weights replace
         it), norms to one, RoPE frequencies recomputed (after to_empty), head re-tied; then
-        the grafts' own init (LoRA: B = 0, so the grafted model starts as the backbone)."""
+        the grafts' own init (`reset_grafts`: LoRA B = 0, MemoryLlama's `init`)."""
         with torch.no_grad():
             if self.enable_weight_tying:
                 self.lm_head.weight = self.tok_embeddings.weight
@@ -152,9 +160,7 @@ class DecoderLM(nn.Module):
                     module.reset_parameters()
                 elif isinstance(module, Attention):
                     module.inv_freq.copy_(rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling))
-            for module in self.modules():
-                if isinstance(module, LoRALinear):
-                    module.reset_lora()
+            reset_grafts(self)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
         """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None (one

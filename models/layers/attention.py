@@ -25,14 +25,16 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _flex_document_attention(q, k, v, doc_ids, scale, enable_gqa):
-    """Flex-attention path (GPU): the same mask as `document_causal_mask`, block-sparse."""
+    """Flex-attention path (GPU): the same mask as `document_causal_attention`'s, block-sparse.
+    doc_ids (B, Lk); the queries are the last Lq of the Lk tokens."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+    offset = k.shape[2] - q.shape[2]
 
-    batch, _, length, _ = q.shape
-    block_mask = create_block_mask(mask_mod, batch, None, length, length, device=q.device)
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx + offset >= kv_idx) & (doc_ids[b, q_idx + offset] == doc_ids[b, kv_idx])
+
+    block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
@@ -43,18 +45,24 @@ def document_causal_attention(
     positions: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """q (B, Hq, L, D), k/v (B, Hkv, L, D) with Hq a multiple of Hkv -> (B, Hq, L, D).
+    """q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D) with Hq a multiple of Hkv and Lq <= Lk -> (B, Hq, Lq, D).
 
+    The queries are the last Lq of the Lk tokens (Lq < Lk: a chunk attending to a cache of
+    the Lk - Lq tokens before it and to itself); `positions` (B, Lk) covers the keys.
     CUDA with document boundaries: flex attention; otherwise SDPA (is_causal for one
-    document per row, an explicit (B, 1, L, L) mask when rows hold several).
+    document per row and Lq = Lk, else an explicit (B, 1, Lq, Lk) mask).
     """
     enable_gqa = q.shape[1] != k.shape[1]
+    offset = k.shape[2] - q.shape[2]
     if positions is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        if offset == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(offset)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=enable_gqa)
     doc_ids = document_ids(positions)
     if q.is_cuda:
         return _flex_document_attention(q, k, v, doc_ids, scale, enable_gqa)
-    mask = document_causal_mask(doc_ids)
+    mask = document_causal_mask(doc_ids)[:, :, offset:]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 

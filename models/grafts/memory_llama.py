@@ -1,0 +1,208 @@
+"""MemoryLlama: a Titans neural memory grafted into a pretrained decoder block.
+
+"Neural memory augmentation for LLMs" (MemoryLlama thesis), section 4.1.3, eq. 4.1-4.10.
+For the tokens t of a block input x (B, L, dim):
+
+    q_t  = RMSNorm(x_t) W_q                       h_t = M_{t-1}*(q_t)          (4.1-4.2)
+    x_DP = [RMSNorm(x_t), h_t] W_DP,  W_DP = [W_x; W_h]                         (4.3-4.4)
+    a_t  = Attn(x_DP)                             (the backbone's attention, W_o included; 4.5)
+    M_t  = Update(M_{t-1}; a_t)                   m_t = M*(a_t)                (4.6-4.7)
+    g_t  = sigmoid(a_t W_g + b_g)                 y_t = (1 - g_t) a_t + g_t m_t (4.8-4.9)
+    o_t  = y_t + x_DP                                                           (4.10)
+
+then the block's own RMSNorm + SwiGLU + residual on o. The memory is
+`models/memory/neural_memory.py` with the thesis' shape: one head of width dim, a depth-2
+MLP dim -> 2 dim -> dim, q / k SiLU + L2, SiLU v, theta = 0.01 sigmoid(.), momentum and
+forgetting (eq. 2.39-2.40), no conv, output norm or output gate. With its q / k / v and output
+projections, W_DP and W_g that is 11 dim^2 + O(dim) parameters per grafted block: 46.1M at
+Llama-3.2-1B's dim 2048, the thesis' "approximately 46 million" (tests/test_memory_llama.py).
+
+Choices where the thesis is silent or its equations do not fit (tested):
+- Chunked and causal. h_t reads the memory written from the attention outputs of earlier
+  tokens, whose attention read earlier h: the block is sequential. It runs chunk by chunk
+  (`chunk_size` C tokens): chunk c reads M_{c-1} for both h and m (eq. 4.7's M_t read after
+  a chunk's own write would let a token see the later tokens of its chunk), attends over the
+  keys / values of every earlier chunk (a cache) and itself, then writes M_c from its a.
+- The write rule (`update`). "titans" is eq. 2.39-2.40 (Titans' per-token momentum and
+  forgetting; inside a chunk every token's gradient is taken at the chunk-start weights);
+  with C = 1 it is the thesis' token-by-token rule, which is stable (theta <= 0.01) but runs
+  L sequential steps per block. With C > 1 it is not stable: the attention outputs of a
+  chunk are alike, their C gradients add up, and with momentum the step exceeds the
+  curvature's limit (measured on the 4-block debug Qwen3, random-token batches, AdamW: at
+  lr 1e-2 and 3e-3 the loss was NaN within 10 and 41 steps, the fast weights growing from 20
+  to 3e3 to 7e7 over three chunks). "muon"
+  (default) writes one step per chunk, orthogonalised by Newton-Schulz and scaled by
+  `step_scale` (Mela's eq. 10-11 with its learning rate, models/lms/mela.py): the step's size
+  no longer depends on the gradients', and the same runs went 60 steps without a NaN.
+- The query of eq. 4.1 is taken from RMSNorm(x_t), the vector it is concatenated with,
+  not from the raw residual stream (whose scale grows with depth; SiLU before the L2 norm
+  is not scale-invariant).
+- The memory writes and reads RMSNorm(a_t) (a learned-weight RMSNorm, `memory_norm`), not
+  a_t: a_t's scale is unbounded, and on raw a_t a debug finetune (lr 1e-2) diverged within
+  10 steps: large a_t saturate theta at max_lr and eta at 1 and enlarge the values, the fast
+  weights grew from 37 to 1.2e4 in one chunk, and h fed the growth back into a_t through x_DP. The memory state is not reset at packed-document boundaries
+  (as in the project's Titans); attention is document-masked as in the backbone.
+- Two inits (`init`):
+  * "exact" (default): the block equals the backbone's bit for bit at step 0, and every
+    change is a learned departure from it. x_DP = RMSNorm(x) + [RMSNorm(x), h] W_DP with
+    W_DP = 0 (the thesis' W_x = I, W_h = 0, written as a delta so that weight decay pulls
+    towards the identity rather than towards zero); y = a + s * g * (m - a) with a per-channel
+    gate scale s = 0 (so g's values are free at init: W_g = 0, b_g = 0); o = x + y, the
+    backbone's identity residual. s receives gradient at the first step, W_DP at the first
+    (through the attention), W_g / b_g and the memory's projections from the second.
+  * "thesis": W_x = I, W_h = 0, W_g = 0, b_g = -6, o = y + x_DP as printed. Not the
+    backbone at init: g = sigmoid(-6) = 2.5e-3 mixes m into y, and eq. 4.10's residual is
+    RMSNorm(x) in place of x, so the block drops the residual stream's scale (the thesis'
+    code has the same, `../shared/notes/prior-implementations.md`). Kept to reproduce it.
+
+Shapes: x (B, L, dim) -> (B, L, dim). `last_stats` holds the thesis' monitoring (section
+4.2.2) of the last forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
+
+INITS = ("exact", "thesis")
+UPDATES = ("muon", "titans")
+THESIS_GATE_BIAS = -6.0
+CONTRIBUTION_EPS = 1e-6
+
+
+@dataclass
+class MemoryLlamaConfig:
+    init: str = "exact"  # "exact": the backbone bit for bit at step 0; "thesis": its printed values
+    update: str = "muon"  # "muon": one Newton-Schulz step per chunk; "titans": eq. 2.39-2.40 per token
+    chunk_size: int = 64  # tokens per sequential step (1 with update "titans": the thesis' token-by-token rule)
+    step_scale: float = 0.1  # update "muon": M = (1 - alpha) M + step_scale NewtonSchulz(S)
+    expansion: int = 2  # memory MLP hidden width = expansion * dim (thesis: 2)
+    max_lr: float = 0.01  # theta = max_lr * sigmoid(.) (thesis: 1e-2)
+
+    def __post_init__(self):
+        if self.init not in INITS:
+            raise ValueError(f"MemoryLlama init '{self.init}' unknown: choose one of {INITS}")
+        if self.update not in UPDATES:
+            raise ValueError(f"MemoryLlama update '{self.update}' unknown: choose one of {UPDATES}")
+        if self.chunk_size < 1:
+            raise ValueError(f"MemoryLlama chunk_size must be >= 1, got {self.chunk_size}")
+
+
+def memory_config(dim: int, cfg: MemoryLlamaConfig) -> NeuralMemoryConfig:
+    """The thesis' memory for a block of width `dim` (module docstring)."""
+    rule = dict(gates="chunk", newton_schulz_steps=5, step_scale=cfg.step_scale) if cfg.update == "muon" else {}
+    return NeuralMemoryConfig(dim=dim, n_heads=1, head_dim=dim, depth=2, expansion=cfg.expansion,
+                              chunk_size=cfg.chunk_size, conv_kernel=0, output_norm=False, output_gate=False,
+                              max_lr=cfg.max_lr, **rule)
+
+
+class MemoryLlamaBlock(nn.Module):
+    """A backbone decoder block (its attention_norm, attention, ffn_norm, feed_forward kept
+    under their names, so checkpoints and LoRA targets are unchanged) with a neural memory
+    around its attention. The graft's own weights are named `memory*`."""
+
+    def __init__(self, block: nn.Module, dim: int, cfg: MemoryLlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.attention_norm, self.attention = block.attention_norm, block.attention
+        self.ffn_norm, self.feed_forward = block.ffn_norm, block.feed_forward
+        factory = dict(device=block.attention_norm.weight.device, dtype=block.attention_norm.weight.dtype)
+        with torch.device(factory["device"]):
+            self.memory = NeuralMemory(memory_config(dim, cfg)).to(factory["dtype"])
+        self.memory_norm = nn.RMSNorm(dim, eps=1e-6, **factory)  # on a_t before the memory (docstring)
+        self.memory_down_proj = nn.Linear(2 * dim, dim, bias=False, **factory)  # W_DP = [W_x; W_h]
+        self.memory_gate = nn.Linear(dim, dim, **factory)  # W_g, b_g
+        if cfg.init == "exact":
+            self.memory_gate_scale = nn.Parameter(torch.zeros(dim, **factory))
+        self.last_stats: dict[str, torch.Tensor] = {}
+        self.reset_graft()
+
+    def graft_parameters(self) -> list[nn.Parameter]:
+        """What the graft adds (trains when the backbone is frozen)."""
+        return [p for name, p in self.named_parameters() if name.startswith("memory")]
+
+    def reset_graft(self) -> None:
+        """The chosen init's values (module docstring)."""
+        dim = self.memory_gate.in_features
+        with torch.no_grad():
+            self.memory.reset_parameters()
+            self.memory_norm.reset_parameters()
+            nn.init.zeros_(self.memory_gate.weight)
+            if self.cfg.init == "exact":
+                nn.init.zeros_(self.memory_down_proj.weight)
+                nn.init.zeros_(self.memory_gate.bias)
+                nn.init.zeros_(self.memory_gate_scale)
+            else:
+                identity = torch.eye(dim, device=self.memory_gate.weight.device)
+                self.memory_down_proj.weight.copy_(torch.cat([identity, torch.zeros_like(identity)], 1))
+                nn.init.constant_(self.memory_gate.bias, THESIS_GATE_BIAS)
+
+    def _down_project(self, xn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Eq. 4.3-4.4: x_DP from RMSNorm(x) and h, (B, C, dim) each."""
+        x_dp = self.memory_down_proj(torch.cat([xn, h], -1))
+        return xn + x_dp if self.cfg.init == "exact" else x_dp
+
+    def _attend_with_memory(self, xn: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None):
+        """The sequential part, chunk by chunk: h, x_DP, attention over the cache, the memory
+        write and read. xn (B, L, dim) -> x_DP, a, m (B, L, dim) each."""
+        state = self.memory.empty_state(xn.shape[0], device=xn.device, dtype=xn.dtype)
+        keys, values, x_dps, attended, reads = [], [], [], [], []
+        size = self.cfg.chunk_size
+        for start in range(0, xn.shape[1], size):
+            end = min(start + size, xn.shape[1])
+            xn_c = xn[:, start:end]
+            x_dp = self._down_project(xn_c, self.memory.retrieve(xn_c, state))
+            q, k, v = self.attention.project(x_dp, positions[:, start:end])
+            keys.append(k)
+            values.append(v)
+            a = self.attention.attend(q, torch.cat(keys, 2), torch.cat(values, 2),
+                                      None if doc_positions is None else doc_positions[:, :end])
+            m, state = self.memory(self.memory_norm(a), state)
+            x_dps.append(x_dp)
+            attended.append(a)
+            reads.append(m)
+        return torch.cat(x_dps, 1), torch.cat(attended, 1), torch.cat(reads, 1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
+        """x (B, L, dim); positions (B, L) for RoPE; doc_positions (B, L) or None for masking."""
+        x_dp, a, m = self._attend_with_memory(self.attention_norm(x), positions, doc_positions)
+        gate = torch.sigmoid(self.memory_gate(a))  # eq. 4.8
+        if self.cfg.init == "exact":
+            gate = self.memory_gate_scale * gate
+            o = x + (a + gate * (m - a))  # eq. 4.9 as a + g (m - a), identity residual
+        else:
+            o = x_dp + ((1 - gate) * a + gate * m)  # eq. 4.9-4.10 as printed
+        self._note_stats(gate, a, m)
+        return o + self.feed_forward(self.ffn_norm(o))
+
+    def _note_stats(self, gate: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> None:
+        """The thesis' monitoring (section 4.2.2), detached: gate mean/std/min/max (the
+        effective gate s * g under the exact init), mean b_g, ||W_h|| (the memory half
+        of W_DP, Frobenius norm), the global contribution (eq. 4.12) and the mean per-token
+        contribution (eq. 4.13), with the norms taken over channels (and tokens for 4.12)."""
+        with torch.no_grad():
+            g = gate.float()
+            memory_part, attention_part = (m.float() * g), ((1 - g) * a.float())
+            per_token = memory_part.norm(dim=-1) / (attention_part.norm(dim=-1) + CONTRIBUTION_EPS)
+            w_h = self.memory_down_proj.weight[:, self.memory_gate.in_features:].float()
+            self.last_stats = {
+                "gate_mean": g.mean(), "gate_std": g.std(), "gate_min": g.min(), "gate_max": g.max(),
+                "gate_bias": self.memory_gate.bias.float().mean(),
+                "w_h_norm": w_h.norm(),
+                "contribution_global": memory_part.norm() / (attention_part.norm() + CONTRIBUTION_EPS),
+                "contribution_per_token": per_token.mean(),
+            } | self.memory.last_stats
+
+
+def memory_llama_diagnostics(model: nn.Module) -> dict[str, float]:
+    """`memory/layer<i>/...` of every MemoryLlama block's last forward (through wrappers)."""
+    metrics = {}
+    for name, block in model.named_modules():
+        if isinstance(block, MemoryLlamaBlock) and block.last_stats:
+            layer = f"memory/layer{name.split('layers.')[-1].split('.')[0]}"
+            metrics |= {f"{layer}/{k}": float(v) for k, v in block.last_stats.items()}
+    return metrics
