@@ -201,3 +201,7 @@ def test_an_hf_checkpoint_of_another_shape_stops_before_training(tokenizer_dir, 
     run = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--dump_folder", str(tmp_path / "run")])
     assert run.returncode == 2 and "n_layers=3, the flavor has 4" in run.output.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "checkpoint").exists()
+    # torchtitan ignores the initial load while checkpointing is off: refused, not a silent random start
+    run = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.no-enable",
+                            "--dump_folder", str(tmp_path / "off")])
+    assert run.returncode == 2 and "ignored while checkpointing is off" in run.output.strip().splitlines()[-1]

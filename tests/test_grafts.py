@@ -96,7 +96,8 @@ def test_a_lora_finetune_from_hugging_face_keeps_the_backbone_and_exports_merged
     """Through scripts/train.sh: LoRA on a random tiny Qwen3 read with
     --checkpoint.initial_load_in_hf; 20 steps lower the loss, every backbone tensor of the
     step-20 checkpoint is the Hugging Face file's bit for bit, and --merge-lora exports a plain
-    Qwen3ForCausalLM whose logits (in a Python without the project) are the finetune's."""
+    Qwen3ForCausalLM whose logits (in a Python without the project) are the finetune's, as are
+    those of the unmerged (remote-code) export."""
     from conftest import train
     from test_backbone import qwen3_debug_checkpoint
     from test_hf import load_without_project, run_script
@@ -117,12 +118,12 @@ def test_a_lora_finetune_from_hugging_face_keeps_the_backbone_and_exports_merged
     assert min(state[k].abs().max() for k in state if ".lora_B." in k) > 0  # every adapter moved
 
     args = config + ["--checkpoint", step]
-    assert run_script("convert_to_hf.py", *args, "--out", tmp_path / "unmerged") == 2  # LoRA has no plain form
-    assert not (tmp_path / "unmerged").exists()
-    assert run_script("convert_to_hf.py", *args, "--out", tmp_path / "merged", "--merge-lora") == 0
     x = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(1))
     torch.save(x, tmp_path / "x.pt")
-    hf = load_without_project(tmp_path / "merged", tmp_path / "x.pt", tmp_path)
-    assert hf["class"] == "Qwen3ForCausalLM"
-    with torch.no_grad():
-        assert (hf["logits"] - model(x)).abs().max() < 1e-5
+    for merged, exported_class in ((False, "MemoryLMForCausalLM"), (True, "Qwen3ForCausalLM")):
+        out = tmp_path / f"export_{merged}"
+        assert run_script("convert_to_hf.py", *args, "--out", out, *(["--merge-lora"] if merged else [])) == 0
+        hf = load_without_project(out, tmp_path / "x.pt", tmp_path)
+        assert hf["class"] == exported_class  # unmerged: backbone + LoRA as remote code
+        with torch.no_grad():
+            assert (hf["logits"] - model(x)).abs().max() < 1e-5

@@ -27,6 +27,7 @@ FAMILIES = {
     "titans": "train_configs.titans:titans_mac_debug",  # the variants share the model class and code
     "mela": "train_configs.mela:mela_debug",
     "backbone": "train_configs.backbone:backbone_qwen3_debug",  # a standard Qwen3ForCausalLM
+    "memoryllama": "train_configs.backbone:memoryllama_alma_debug",  # a grafted backbone: remote code
 }
 EXPORTED_CLASS = {"transformer": "LlamaForCausalLM", "backbone": "Qwen3ForCausalLM"}  # others: remote code
 # Text the export's tokenizer must encode as training does (not starting with whitespace:

@@ -229,3 +229,104 @@ def test_the_write_rule_stays_finite_on_alike_tokens(update, chunk, stable):
         _, state = memory(a, state)
         end = torch.stack([w.norm() for w in state.weights]).norm()
     assert (bool(torch.isfinite(end)) and end < 2 * start) == stable, (start, end)
+
+
+def ablated_logits(model: DecoderLM, x: torch.Tensor) -> torch.Tensor:
+    """Logits with every MemoryLlama memory's written fast weights zeroed after each write."""
+    blocks = [b for b in model.layers.values() if isinstance(b, MemoryLlamaBlock)]
+    writes = [b.memory.forward for b in blocks]
+
+    def forgetting(write):
+        def forward(a, state):
+            read, written = write(a, state)
+            return read, written._replace(weights=tuple(torch.zeros_like(w) for w in written.weights))
+        return forward
+
+    try:
+        for block, write in zip(blocks, writes):
+            block.memory.forward = forgetting(write)
+        with torch.no_grad():
+            return model(x)
+    finally:
+        for block in blocks:
+            del block.memory.forward
+
+
+MEMORYLLAMA = ["--module", "train_configs.backbone", "--config", "memoryllama_alma_debug"]
+FROM_HF = ["--checkpoint.initial_load_in_hf", "--validator.no-enable", "--debug.seed", "0"]
+
+
+@pytest.mark.slow
+def test_a_finetune_from_hugging_face_starts_exact_keeps_the_backbone_uses_the_memory_and_exports(tmp_path):
+    """Through scripts/train.sh from a random tiny Qwen3 folder: the grafted model's first
+    loss is the backbone's; 20 steps lower it; every backbone tensor of the step-20
+    checkpoint is the Hugging Face file's bit for bit; the optimizer holds only graft
+    tensors; zeroing the written fast weights changes the trained model's predictions; the
+    remote-code export reloads without the project with the same logits."""
+    from conftest import train
+    from test_backbone import qwen3_debug_checkpoint
+    from test_hf import load_without_project, run_script
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+
+    qwen3_debug_checkpoint(tmp_path / "hf")
+    source = ["--checkpoint.initial_load_path", str(tmp_path / "hf")]
+    plain = train(["--module", "train_configs.backbone", "--config", "backbone_qwen3_debug"] + FROM_HF + source +
+                  ["--training.steps", "1", "--checkpoint.interval", "100", "--dump_folder", str(tmp_path / "plain")])
+    run = train(MEMORYLLAMA + FROM_HF + source + ["--training.steps", "20", "--checkpoint.interval", "20",
+                                                  "--dump_folder", str(tmp_path / "run")])
+    assert plain.returncode == 0 and run.returncode == 0, (plain, run)
+    assert run.losses[1] == plain.losses[1]  # exact init: the backbone's loss on the same batch
+    assert run.losses[20] < run.losses[1] - 0.2
+
+    step = tmp_path / "run" / "checkpoint" / "step-20"
+    model, _ = build_model("train_configs.backbone", "memoryllama_alma_debug")
+    load_dcp_model(model, step)
+    state, hf_state = model.state_dict(), load_hf_backbone(tmp_path / "hf").state_dict()
+    assert all(torch.equal(state[key], value) for key, value in hf_state.items())  # frozen means frozen
+    stored = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    optimized = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in stored if k.startswith("optimizer.state.")}
+    assert optimized == {k for k, p in model.named_parameters() if p.requires_grad}
+    assert all(".lora_" in k or ".memory" in k for k in optimized)
+
+    x = torch.randint(0, 4096, (2, 256), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(x)
+    assert (ablated_logits(model, x) - logits)[:, 32:].abs().max() > 1e-3  # the memory memorises
+
+    assert run_script("convert_to_hf.py", *MEMORYLLAMA, "--checkpoint", step, "--out", tmp_path / "merged",
+                      "--merge-lora") == 2  # a memory graft has no plain transformers form
+    assert not (tmp_path / "merged").exists()
+    assert run_script("convert_to_hf.py", *MEMORYLLAMA, "--checkpoint", step, "--out", tmp_path / "export") == 0
+    torch.save(x[:, :80], tmp_path / "x.pt")
+    hf = load_without_project(tmp_path / "export", tmp_path / "x.pt", tmp_path)
+    assert hf["class"] == "MemoryLMForCausalLM"
+    assert (hf["logits"] - logits[:, :80]).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_from_one_seed_agree_and_keep_the_backbone(tmp_path):
+    import shutil
+
+    from conftest import train
+    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+
+    short = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0", "--training.global_batch_size", "4"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    seed = train(MEMORYLLAMA + short + ["--dump_folder", str(one), "--checkpoint.create-seed-checkpoint"])
+    assert seed.returncode == 0, seed
+    shutil.copytree(one, two)
+    single = train(MEMORYLLAMA + short + ["--dump_folder", str(one)])
+    double = train(MEMORYLLAMA + short + ["--dump_folder", str(two)], nproc=2)
+    assert single.returncode == 0 and double.returncode == 0, (single, double)
+    assert max(abs(single.losses[s] - double.losses[s]) / single.losses[s] for s in single.losses) < 1e-3
+    seeded, _ = build_model("train_configs.backbone", "memoryllama_alma_debug")
+    load_dcp_model(seeded, one / "checkpoint" / "step-0")
+    for folder in (one, two):
+        trained, _ = build_model("train_configs.backbone", "memoryllama_alma_debug")
+        load_dcp_model(trained, folder / "checkpoint" / "step-10")
+        start, end = seeded.state_dict(), trained.state_dict()
+        frozen = {k for k, p in trained.named_parameters() if not p.requires_grad}
+        assert frozen and all(torch.equal(start[k], end[k]) for k in frozen)
+        assert all(not torch.equal(start[k], end[k]) for k, p in trained.named_parameters() if p.requires_grad)

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from models.backbones.decoder_lm import Attention, config_from_hf, DecoderLM, DecoderLMConfig
+from models.backbones.decoder_lm import config_from_hf, DecoderLM, DecoderLMConfig
 from models.grafts.memory_llama import memory_llama_diagnostics
-from models.layers.rope import rope_inv_freq
 from torchtitan_ext import flops
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family
+from torchtitan_ext.plain_model import WrapperStateDictAdapter
 
 # (our key pattern, Hugging Face key pattern); {} is the layer index.
 KEY_MAP = (
@@ -74,8 +74,13 @@ def from_hf_keys(state: dict, tied: bool) -> dict:
     return ours
 
 
+WRAPPED_EMBEDDINGS = WrapperStateDictAdapter.PREFIX + "tok_embeddings.weight"
+
+
 class HFBackboneAdapter(StateDictAdapter):
-    """torchtitan StateDictAdapter: our keys <-> Hugging Face Llama / Qwen3 keys."""
+    """torchtitan StateDictAdapter: our keys <-> Hugging Face Llama / Qwen3 keys (graft weights
+    left out: an initial load from a Hugging Face folder leaves them at their init). Reads
+    the remote-code export of a grafted backbone too (`model.` + our keys)."""
 
     def _tied(self) -> bool:
         return bool(self.model_config.model.tie_embeddings)
@@ -84,6 +89,8 @@ class HFBackboneAdapter(StateDictAdapter):
         return to_hf_keys(state_dict, self._tied())
 
     def from_hf(self, hf_state_dict):
+        if WRAPPED_EMBEDDINGS in hf_state_dict:  # a grafted backbone's remote-code export
+            return WrapperStateDictAdapter(self.model_config, None).from_hf(hf_state_dict)
         return from_hf_keys(hf_state_dict, self._tied())
 
 
@@ -123,9 +130,7 @@ def load_hf_backbone(folder: Path, expected: DecoderLMConfig | None = None) -> D
     model.load_state_dict(state, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.tok_embeddings.weight
-    for module in model.modules():  # RoPE frequencies are not in checkpoints
-        if isinstance(module, Attention):
-            module.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    model.reset_buffers()  # RoPE frequencies are not in checkpoints
     return model.float()
 
 
@@ -146,14 +151,13 @@ FLAVORS = {
 
 
 def hf_config(cfg: DecoderLMConfig):
-    """The transformers LlamaConfig / Qwen3Config of a backbone config (its export is a
-    plain LlamaForCausalLM / Qwen3ForCausalLM); a graft must have been merged away first."""
+    """The transformers LlamaConfig / Qwen3Config of a plain backbone config (its export is a
+    plain LlamaForCausalLM / Qwen3ForCausalLM); None for a grafted one, which exports as
+    remote code (backbone + graft; `--merge-lora` first turns a LoRA-only graft plain)."""
     from transformers import LlamaConfig, Qwen3Config
 
     if cfg.graft.kind != "none":
-        raise UserError(f"a backbone with a '{cfg.graft.kind}' graft has no plain transformers form: pass --merge-lora "
-                        "to fold LoRA into the weights")
-
+        return None
     fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                   head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,

@@ -33,7 +33,8 @@ class Family:
     flops_per_token(config, seq_len): training FLOPs per token (None: 6 x parameters);
     diagnostics(model): `memory/...` metrics of the last forward, found through wrappers
     (logged by `MemoryTrainer`); hf_config(config): the transformers config of a family that
-    exports as a standard transformers class (None: remote code); state_dict_adapter:
+    exports as a standard transformers class, or None for a config that has none (remote
+    code; the field None: the whole family exports as remote code); state_dict_adapter:
     torchtitan's adapter to Hugging Face keys (None: the export wrapper's `model.` prefix);
     check_hf_folder(config, folder): UserError unless a Hugging Face folder holds a model of
     `config`'s shape (preflight, before an initial load); config_module: the `train_configs`

@@ -4,8 +4,9 @@ Weights are mapped by each family's torchtitan state-dict adapter (the one its M
 names). Families with a `Family.hf_config` export as a standard transformers class
 (Transformer++ through torchtitan's `Llama3StateDictAdapter` as `LlamaForCausalLM`; the
 pretrained backbone as `LlamaForCausalLM` / `Qwen3ForCausalLM`), loadable by plain
-`transformers`; the other families, through `WrapperStateDictAdapter` (keys
-`model.<plain key>`), export as remote code:
+`transformers`; the other families and configs without such a class (a grafted backbone:
+its `hf_config` says None), through `WrapperStateDictAdapter` (keys `model.<plain key>`),
+export as remote code:
 `MemoryLMForCausalLM` (`torchtitan_ext/hf_remote/`) plus the model's own source, copied at
 export time from `models/` and `kernels/` with their imports made relative, and an
 `auto_map`, so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` needs only
@@ -28,6 +29,7 @@ import torch
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family, family_of_spec
 from torchtitan_ext.paths import staged_folder
+from torchtitan_ext.plain_model import WrapperStateDictAdapter
 
 REPO = Path(__file__).resolve().parents[1]
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
@@ -157,14 +159,14 @@ def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: st
             raise UserError(f"--merge-lora: {spec.name} {spec.flavor} has no LoRA graft to merge")
         merge(model)
         model.cfg = dataclasses.replace(model.cfg, graft=GraftConfig())
+    # A standard transformers class, from the model's own config or its flavor's; or remote code.
+    config = None if family.remote_export else family.hf_config(getattr(model, "cfg", None) or family.config(spec.flavor))
+    adapter = (WrapperStateDictAdapter if config is None else spec.state_dict_adapter)(spec.model, None)
     with staged_folder(out) as staging:
-        adapter = spec.state_dict_adapter(spec.model, None)
         state = {k: v.detach().clone() for k, v in adapter.to_hf(model.state_dict()).items()}
         save_safetensors(state, staging, max_shard_size)
-        if family.remote_export:
+        if config is None:
             config = _remote_code(family, model.cfg, staging)
-        else:  # a standard transformers class, from the model's own config or its flavor's
-            config = family.hf_config(getattr(model, "cfg", None) or family.config(spec.flavor))
         config.save_pretrained(staging)
         GenerationConfig(do_sample=False, use_cache=False).save_pretrained(staging)
         tokenizer_dir = Path(trainer_config.hf_assets_path)

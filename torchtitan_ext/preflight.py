@@ -154,13 +154,17 @@ def check_tokenizer(config) -> None:
 
 
 def check_initial_hf_checkpoint(config) -> None:
-    """With `--checkpoint.initial_load_in_hf`, the folder exists and (for families that can
-    tell, `Family.check_hf_folder`) holds a model of the flavor's shape."""
+    """With `--checkpoint.initial_load_in_hf`, checkpointing is on (torchtitan loads nothing
+    otherwise), the folder exists and (for families that can tell, `Family.check_hf_folder`)
+    holds a model of the flavor's shape."""
     from torchtitan_ext.families import family_of_spec
 
     checkpoint = config.checkpoint
-    if not (checkpoint.enable and checkpoint.initial_load_in_hf and checkpoint.initial_load_path):
+    if not (checkpoint.initial_load_in_hf and checkpoint.initial_load_path):
         return
+    if not checkpoint.enable:
+        raise UserError("--checkpoint.initial_load_path is ignored while checkpointing is off (the model would start "
+                        "from random weights): drop --checkpoint.no-enable (set --checkpoint.interval to save rarely)")
     folder = Path(checkpoint.initial_load_path)
     if not folder.is_dir():
         raise UserError(f"--checkpoint.initial_load_path '{folder}' does not exist: pass a Hugging Face model folder")

@@ -148,8 +148,8 @@ class DecoderLM(nn.Module):
 
     def reset_parameters(self) -> None:
         """N(0, init_std) for every matrix (transformers' init; pretrained weights replace
-        it), norms to one, RoPE frequencies recomputed (after to_empty), head re-tied; then
-        the grafts' own init (`reset_grafts`: LoRA B = 0, MemoryLlama's `init`)."""
+        it), norms to one, head re-tied; then the grafts' own init (`reset_grafts`: LoRA
+        B = 0, MemoryLlama's `init`); RoPE frequencies recomputed (`reset_buffers`)."""
         with torch.no_grad():
             if self.enable_weight_tying:
                 self.lm_head.weight = self.tok_embeddings.weight
@@ -158,9 +158,16 @@ class DecoderLM(nn.Module):
                     nn.init.normal_(module.weight, std=self.cfg.init_std)
                 elif isinstance(module, RMSNorm):
                     module.reset_parameters()
-                elif isinstance(module, Attention):
-                    module.inv_freq.copy_(rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling))
             reset_grafts(self)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """The RoPE frequencies (not in checkpoints), on the model's device, in float32:
+        after `to_empty`, or after a load that materialised them empty."""
+        device = self.tok_embeddings.weight.device
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling).to(device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
         """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None (one

@@ -48,6 +48,15 @@ class MemoryLMForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):
         """Weights come from the checkpoint; the plain model initialises itself."""
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' load, then the plain model's buffers that checkpoints do not hold
+        (`reset_buffers`, e.g. the backbone's RoPE frequencies: a load materialises them empty)."""
+        model = super().from_pretrained(*args, **kwargs)
+        if hasattr(model.model, "reset_buffers"):
+            model.model.reset_buffers()
+        return model
+
     def get_input_embeddings(self):
         return self.model.tok_embeddings
 
