@@ -16,12 +16,14 @@ CONFIGS = {
     "mela": ["--module", "train_configs.mela", "--config", "mela_debug"],
     "backbone": ["--module", "train_configs.backbone", "--config", "backbone_qwen3_debug"],
 } | {f"titans_{v}": ["--module", "train_configs.titans", "--config", f"titans_{v}_debug"] for v in ("mac", "mag", "mal", "lmm")}
+# Grafted backbones (frozen random weights from a seed: they learn too little for the test above).
+GRAFTS = {"memoryllama": ["--module", "train_configs.backbone", "--config", "memoryllama_alma_debug"]}
 SHORT = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0"]
 
 
 def seeded_folder(family: str, folder) -> None:
     """A dump folder holding an unsharded seed checkpoint (step-0) both runs start from."""
-    run = train(CONFIGS[family] + SHORT + ["--dump_folder", str(folder), "--checkpoint.create-seed-checkpoint"])
+    run = train((CONFIGS | GRAFTS)[family] + SHORT + ["--dump_folder", str(folder), "--checkpoint.create-seed-checkpoint"])
     assert run.returncode == 0 and (folder / "checkpoint" / "step-0" / ".metadata").exists(), run
 
 
@@ -77,6 +79,7 @@ AC_MODES = {
     "transformer": {"eager-selective": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"],
                     "no-ac": ["activation-checkpoint:none"]},
     "mela": {"eager-no-ac": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"]},
+    "memoryllama": {"eager-selective": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"]},
 }
 
 
@@ -87,7 +90,7 @@ def test_compile_and_activation_checkpointing_modes_agree(family, tokenizer_dir,
     for name, extra in AC_MODES[family].items():
         folder = tmp_path / name
         shutil.copytree(tmp_path / "seed", folder)
-        runs[name] = train(CONFIGS[family] + SHORT + ["--dump_folder", str(folder)] + extra)
+        runs[name] = train((CONFIGS | GRAFTS)[family] + SHORT + ["--dump_folder", str(folder)] + extra)
         assert runs[name].returncode == 0, runs[name]
     reference, *others = runs
     for name in others:
