@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import eval_tasks
+from torchtitan_ext import synthetic_tasks
 from torchtitan_ext.checkpoints import build_model
 from torchtitan_ext.paths import default_tokenizer_dir
 from torchtitan_ext.tokenizer import AssetsTokenizer
@@ -18,7 +19,7 @@ from torchtitan_ext.tokenizer import AssetsTokenizer
 
 def test_kv_retrieval_has_gradmem_format_unique_keys_and_the_answer_in_context():
     for seed in range(5):
-        sample = eval_tasks.kv_retrieval(random.Random(seed), 300)
+        sample = synthetic_tasks.kv_retrieval(random.Random(seed), 300)
         pairs = re.findall(r"!(\w\w):(\w\w)!", sample.context)
         assert sample.context == "".join(f"!{k}:{v}!" for k, v in pairs) + "|"
         keys = [k for k, _ in pairs]
@@ -29,7 +30,7 @@ def test_kv_retrieval_has_gradmem_format_unique_keys_and_the_answer_in_context()
 
 @pytest.mark.parametrize("task,needles", [("s_niah", 1), ("mk_niah", 4)])
 def test_needles_are_planted_and_one_is_asked(task, needles):
-    sample = eval_tasks.generate(task, random.Random(1), 2000)
+    sample = synthetic_tasks.generate(task, random.Random(1), 2000)
     planted = dict(re.findall(r"The special magic value for ([\w-]+) is: ([\w-]+)\.", sample.context))
     assert len(planted) == needles
     asked = re.search(r"value for ([\w-]+)\?", sample.query).group(1)
@@ -37,10 +38,10 @@ def test_needles_are_planted_and_one_is_asked(task, needles):
 
 
 def test_frequent_words_are_the_top_three_without_the_noise_word():
-    sample = eval_tasks.fwe(random.Random(2), 3000)
+    sample = synthetic_tasks.fwe(random.Random(2), 3000)
     counts = {w: sample.context.split().count(w) for w in set(sample.context.split())}
-    assert eval_tasks.NOISE_WORD in counts and max(counts, key=counts.get) == eval_tasks.NOISE_WORD
-    del counts[eval_tasks.NOISE_WORD]
+    assert synthetic_tasks.NOISE_WORD in counts and max(counts, key=counts.get) == synthetic_tasks.NOISE_WORD
+    del counts[synthetic_tasks.NOISE_WORD]
     assert sorted(counts, key=counts.get, reverse=True)[:3] == sample.answers
 
 
@@ -50,13 +51,13 @@ def test_frequent_words_are_the_top_three_without_the_noise_word():
     ("fwe", "abcdef qwerty", ["abcdef", "qwerty", "zxcvbn"], 2 / 3),
 ])
 def test_scorers(task, output, answers, expected):
-    assert eval_tasks.score(task, output, answers) == pytest.approx(expected)
+    assert synthetic_tasks.score(task, output, answers) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("task", eval_tasks.TASKS)
+@pytest.mark.parametrize("task", synthetic_tasks.TASKS)
 def test_samples_fit_the_context_length(task, tokenizer_dir):
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(default_tokenizer_dir()))
-    ids, sample = eval_tasks.fit_sample(task, random.Random(3), tokenizer, 256)
+    ids, sample = synthetic_tasks.fit_sample(task, random.Random(3), tokenizer, 256)
     assert 200 <= len(ids) <= 256 and sample.answers
 
 
@@ -73,7 +74,7 @@ def test_cli_writes_results_for_several_checkpoints_and_rejects_unknown_tasks(to
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["mode"] for r in results["runs"]] == ["streaming", "full"]
     assert all(0 <= v <= 1 for r in results["runs"] for t in r["scores"].values() for v in t.values())
-    assert set(results["runs"][0]["scores"]) == set(eval_tasks.TASKS)
+    assert set(results["runs"][0]["scores"]) == set(synthetic_tasks.TASKS)
     assert (tmp_path / "out" / "tasks_vs_context.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit) as stop:
         eval_tasks.main(args + common + ["--tasks", "passkey", "--out", str(tmp_path / "bad")])

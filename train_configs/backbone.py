@@ -14,6 +14,7 @@ from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
 from torchtitan_ext.backbone import FAMILY
 from torchtitan_ext.paths import REPO_ROOT
+from torchtitan_ext.task_data import TaskDataLoader
 from train_configs.recipe import debug_recipe, grouped_adamw, paper_recipe
 
 
@@ -118,3 +119,14 @@ def memoryllama_elma_debug() -> Trainer.Config:
 def memoryllama_gema_debug() -> Trainer.Config:
     """GeMA (every second block) on backbone_qwen3_debug (memory chunks of 32, LoRA rank 8)."""
     return _memoryllama_debug("gema")
+
+
+def memoryllama_alma_debug_tasks() -> Trainer.Config:
+    """memoryllama_alma_debug on the synthetic tasks (KV retrieval, S-/MK-NIAH, FWE), loss on
+    the answers only; validation on held-out samples."""
+    config = _memoryllama_debug("alma")
+    config.dump_folder = "./outputs/memoryllama_alma_debug_tasks"
+    config.dataloader = TaskDataLoader.Config()
+    config.validator = dataclasses.replace(config.validator, dataloader=TaskDataLoader.Config(
+        validation=True, infinite=False, samples=16))
+    return config

@@ -1,0 +1,84 @@
+"""Finetuning data from the synthetic tasks (torchtitan_ext/task_data.py): labels on the
+answer only, the eval's answers, rank sharding, resumption, the split."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torchtitan.components.loss import IGNORE_INDEX
+
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.synthetic_tasks import fit_sample, score, TASKS
+from torchtitan_ext.task_data import MAX_ANSWER_TOKENS, TaskDataLoader, TaskDataset
+from torchtitan_ext.tokenizer import AssetsTokenizer
+
+SEQ_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(tokenizer_dir))
+
+
+def dataset(tokenizer, tasks=TASKS, rank=0, world=1, validation=False, infinite=True):
+    return TaskDataset(list(tasks), tokenizer, SEQ_LEN, seed=0, validation=validation, infinite=infinite, samples=8,
+                       dp_rank=rank, dp_world_size=world)
+
+
+def test_labels_are_the_answer_and_eos_which_the_eval_scores_right(tokenizer):
+    for i, (inputs, labels) in zip(range(8), dataset(tokenizer)):
+        task = TASKS[i % len(TASKS)]
+        assert inputs["input"].shape == labels.shape == (SEQ_LEN,)
+        assert torch.equal(inputs["positions"], torch.arange(SEQ_LEN))
+        kept = labels != IGNORE_INDEX
+        first = int(kept.nonzero()[0])
+        assert kept[first:].sum() == kept.sum() and first > SEQ_LEN // 2  # one contiguous answer after a long context
+        answer = labels[kept].tolist()
+        assert answer[-1] == tokenizer.eos_id
+        assert torch.equal(inputs["input"][first + 1: first + len(answer)], labels[first: first + len(answer) - 1])
+        _, sample = fit_sample(task, random.Random(f"0-train-{i}"), tokenizer, SEQ_LEN + 1 - MAX_ANSWER_TOKENS)
+        text = tokenizer.decode(answer[:-1])
+        assert text.strip() == " ".join(sample.answers)  # the generator's answer, which the eval scores
+        assert score(task, text, sample.answers) == 1.0
+        assert tokenizer.decode(inputs["input"][1: first + 1].tolist()).startswith(sample.context[:50])
+
+
+def test_ranks_split_the_one_process_stream_and_resume(tokenizer):
+    single = [labels for _, (_, labels) in zip(range(6), dataset(tokenizer))]
+    for rank in (0, 1):
+        shard = [labels for _, (_, labels) in zip(range(3), dataset(tokenizer, rank=rank, world=2))]
+        assert all(torch.equal(a, b) for a, b in zip(shard, single[rank::2]))
+    first = dataset(tokenizer)
+    it = iter(first)
+    [next(it) for _ in range(3)]
+    resumed = dataset(tokenizer)
+    resumed.load_state_dict(first.state_dict())
+    assert torch.equal(next(iter(resumed))[1], single[3])
+
+
+def test_validation_is_another_finite_draw(tokenizer):
+    train = [inputs["input"] for _, (inputs, _) in zip(range(4), dataset(tokenizer))]
+    held = [inputs["input"] for inputs, _ in dataset(tokenizer, validation=True, infinite=False)]
+    assert len(held) == 8 and not any(torch.equal(a, b) for a in train for b in held)
+
+
+def test_the_dataloader_batches_and_bad_tasks_are_refused(tokenizer):
+    loader = TaskDataLoader(TaskDataLoader.Config(tasks="kv_retrieval,s_niah"), dp_world_size=1, dp_rank=0,
+                            tokenizer=tokenizer, seq_len=SEQ_LEN, local_batch_size=2)
+    inputs, labels = next(iter(loader))
+    assert inputs["input"].shape == labels.shape == (2, SEQ_LEN)
+    with pytest.raises(UserError, match=r"unknown task\(s\) \['babilong'\]"):
+        dataset(tokenizer, tasks=["babilong"])
+
+
+@pytest.mark.slow
+def test_a_finetune_on_the_tasks_trains_and_validates_through_torchtitan(tokenizer_dir, tmp_path):
+    from conftest import train
+
+    run = train(["--module", "train_configs.backbone", "--config", "memoryllama_alma_debug_tasks", "--training.steps",
+                 "6", "--validator.freq", "3", "--checkpoint.interval", "6", "--dump_folder", str(tmp_path)])
+    assert run.returncode == 0, run
+    assert run.losses[6] < run.losses[1]  # the answers' loss (about ln 4096 at the start) falls
+    assert run.output.count("validate step:") == 2

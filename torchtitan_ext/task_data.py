@@ -1,0 +1,108 @@
+"""Finetuning data from the synthetic memory tasks (`torchtitan_ext/synthetic_tasks.py`): the
+generators `scripts/eval_tasks.py` scores, as a torchtitan dataloader.
+
+Each sequence is one sample: BOS, context and query (as long as fits, found the way
+eval_tasks.py finds it), the answer text, EOS, then padding to `seq_len + 1` tokens. Labels
+are the next tokens on the answer and EOS only (IGNORE_INDEX elsewhere), so the loss is the
+answer's (MoNe's "loss on answer tokens only"); one document per row (positions 0..L-1).
+The answer is what eval_tasks.py scores: kv_retrieval the value, niah " " + the value, fwe
+" " + the three words. Answer tokens are those after the longest common prefix of the
+prompt's and the prompt-plus-answer's encodings (a merge across the boundary is labelled).
+
+Sample i (tasks taken in turn) is drawn from `random.Random(f"{seed}-{split}-{i}")`: the
+same data for any number of ranks (rank r of W takes i = r, r + W, ...), resumable from
+the iterator state saved in checkpoints; the validation split draws from other seeds.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.synthetic_tasks import fit_sample, TASKS
+
+ANSWER_PREFIX = {"kv_retrieval": "", "s_niah": " ", "mk_niah": " ", "fwe": " "}
+MAX_ANSWER_TOKENS = 24  # room kept for the answer and EOS when fitting the context
+
+
+def answer_text(task: str, answers: list[str]) -> str:
+    return ANSWER_PREFIX[task] + " ".join(answers)
+
+
+def encode_sample(task: str, rng: random.Random, tokenizer, length: int) -> tuple[list[int], int]:
+    """(ids of BOS + context + query + answer + EOS, index of the first answer token) of a
+    sample of at most `length` tokens."""
+    prompt, sample = fit_sample(task, rng, tokenizer, length - MAX_ANSWER_TOKENS)
+    full = tokenizer.encode(sample.context + sample.query + answer_text(task, sample.answers), add_bos=True,
+                            add_eos=True)
+    start = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+    if len(full) > length:
+        raise UserError(f"a {task} answer does not fit in {length} tokens: use a longer --training.seq_len")
+    return full, start
+
+
+class TaskDataset(IterableDataset, Stateful):
+    """Yields ({"input": (L,), "positions": (L,)}, labels (L,)) with L = seq_len (module docstring)."""
+
+    def __init__(self, tasks: list[str], tokenizer, seq_len: int, seed: int, validation: bool, infinite: bool,
+                 samples: int, dp_rank: int, dp_world_size: int):
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown or not tasks:
+            raise UserError(f"unknown task(s) {unknown}: choose from {list(TASKS)} (comma-separated)")
+        self.tasks, self.tokenizer, self.seq_len = tasks, tokenizer, seq_len
+        self.split = f"{seed}-{'validation' if validation else 'train'}"
+        self.infinite, self.samples = infinite, samples
+        self.rank, self.world = dp_rank, dp_world_size
+        self.next_index = dp_rank
+
+    def sample(self, index: int):
+        task = self.tasks[index % len(self.tasks)]
+        ids, start = encode_sample(task, random.Random(f"{self.split}-{index}"), self.tokenizer, self.seq_len + 1)
+        pad = self.seq_len + 1 - len(ids)
+        tokens = torch.tensor(ids + [self.tokenizer.eos_id] * pad)
+        labels = tokens[1:].clone()
+        labels[: start - 1] = IGNORE_INDEX
+        labels[len(ids) - 1:] = IGNORE_INDEX
+        return {"input": tokens[:-1], "positions": torch.arange(self.seq_len)}, labels
+
+    def __iter__(self):
+        while self.infinite or self.next_index < self.samples:
+            index = self.next_index
+            self.next_index += self.world
+            yield self.sample(index)
+
+    def state_dict(self):
+        return {"next_index": self.next_index}
+
+    def load_state_dict(self, state_dict):
+        self.next_index = state_dict["next_index"]
+
+
+class TaskDataLoader(ParallelAwareDataloader):
+    """torchtitan dataloader of `TaskDataset` (`tasks`: comma-separated names)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(HuggingFaceTextDataLoader.Config):
+        tasks: str = ",".join(TASKS)
+        seed: int = 0
+        validation: bool = False
+        samples: int = 64  # per epoch when not infinite (validation)
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
+                 local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
+        dataset = TaskDataset(config.tasks.split(","), tokenizer, seq_len, config.seed, config.validation,
+                              config.infinite, config.samples, dp_rank, dp_world_size)
+        super().__init__(
+            dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
+            num_workers=config.num_workers, persistent_workers=config.persistent_workers,
+            pin_memory=config.pin_memory, prefetch_factor=config.prefetch_factor,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+        )
