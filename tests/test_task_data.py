@@ -81,4 +81,4 @@ def test_a_finetune_on_the_tasks_trains_and_validates_through_torchtitan(tokeniz
                  "6", "--validator.freq", "3", "--checkpoint.interval", "6", "--dump_folder", str(tmp_path)])
     assert run.returncode == 0, run
     assert run.losses[6] < run.losses[1]  # the answers' loss (about ln 4096 at the start) falls
-    assert run.output.count("validate step:") == 2
+    assert run.output.count("validate step:") >= 2  # the held-out answers are scored
