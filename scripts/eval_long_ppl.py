@@ -7,7 +7,8 @@
 Documents at least as long as the context are read from their start (never concatenated
 across documents); for each context length L, each one's first L tokens are scored: the NLL
 of every token after the first, given the ones before it. Reported: perplexity per context
-length, and per position bucket (`--bucket` tokens) so the fall (or rise) along the
+length (with a 95% bootstrap interval over documents, and each document's mean NLL in
+results.json for paired comparisons), and per position bucket (`--bucket` tokens) so the fall (or rise) along the
 context is visible.
 
 Modes (one per checkpoint, or one for all):
@@ -179,23 +180,32 @@ def evaluate(entry: Entry, docs: list[list[int]], length: int, bucket: int, batc
         nll = torch.cat([token_nll(entry, rows[i : i + batch]).float().cpu() for i in
                          tqdm(range(0, len(rows), batch), desc=f"{entry.label} @ {length}", file=sys.stderr)])
     positions = torch.arange(1, length)
+    per_doc = nll.mean(1).double()
     buckets = []
     for start in range(0, length, bucket):
         inside = (positions >= start) & (positions < start + bucket)
         buckets.append({"start": start, "end": min(start + bucket, length), "ppl": math.exp(nll[:, inside].mean().item())})
-    return {"ppl": math.exp(nll.mean().item()), "nll": nll.mean().item(), "tokens": nll.numel(),
-            "documents": len(rows), "buckets": buckets}
+    return {"ppl": math.exp(nll.mean().item()), "ppl_ci95": list(bootstrap(per_doc)), "nll": nll.mean().item(),
+            "doc_nll": per_doc.tolist(), "tokens": nll.numel(), "documents": len(rows), "buckets": buckets}
+
+
+def bootstrap(per_doc: torch.Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of exp(mean) over documents resampled with replacement; per_doc (D,)."""
+    picks = torch.randint(0, len(per_doc), (resamples, len(per_doc)), generator=torch.Generator().manual_seed(seed))
+    means = per_doc[picks].mean(1).exp().sort().values
+    return means[int(0.025 * resamples)].item(), means[int(0.975 * resamples) - 1].item()
 
 
 def markdown(results: dict) -> str:
     lengths = results["context_lengths"]
     lines = [f"Perplexity on `{Path(results['dataset']).name}`, {results.get('split', 'held-out split')} (documents of at "
              f"least the context length, first L tokens; {results.get('device', 'cpu')}, "
-             f"{results.get('dtype', 'float32')}).", "",
+             f"{results.get('dtype', 'float32')}; 95% bootstrap interval over documents).", "",
              "| model | mode | " + " | ".join(str(n) for n in lengths) + " |",
              "| --- | --- | " + " | ".join("---" for _ in lengths) + " |"]
     for run in results["runs"]:
-        cells = [f"{run['results'][str(n)]['ppl']:.2f}" for n in lengths]
+        cells = [f"{r['ppl']:.2f} ({r['ppl_ci95'][0]:.2f}-{r['ppl_ci95'][1]:.2f})"
+                 for r in (run["results"][str(n)] for n in lengths)]
         lines.append(f"| {run['label']} | {run['mode']} | " + " | ".join(cells) + " |")
     longest = str(lengths[-1])
     lines += ["", f"Per position bucket at {longest} tokens:", "",

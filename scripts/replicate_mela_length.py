@@ -41,6 +41,8 @@ from typing import Callable
 
 import torch
 
+from eval_long_ppl import bootstrap
+
 CONTEXT = 128  # training context: 2 Mela chunks of P*C = 64 tokens
 CHUNK = 64  # P*C of mela_debug
 EVAL_MULTIPLES = (1, 2, 4, 8)
@@ -161,13 +163,6 @@ def precision_gap(model, logits_of, doc: torch.Tensor) -> float:
         double = logits_of(model.double(), doc[None, :-1])[0, -CHUNK:]
         model.float()
     return (single - double).abs().max().item()
-
-
-def bootstrap(per_doc: torch.Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% interval of exp(mean) over documents resampled with replacement; per_doc (D,)."""
-    picks = torch.randint(0, len(per_doc), (resamples, len(per_doc)), generator=torch.Generator().manual_seed(seed))
-    means = per_doc[picks].mean(1).exp().sort().values
-    return means[int(0.025 * resamples)].item(), means[int(0.975 * resamples) - 1].item()
 
 
 def summarize(losses: dict[str, torch.Tensor]) -> dict:
