@@ -279,6 +279,8 @@ def test_a_finetune_from_hugging_face_starts_exact_keeps_the_backbone_uses_the_m
     assert plain.returncode == 0 and run.returncode == 0, (plain, run)
     assert run.losses[1] == plain.losses[1]  # exact init: the backbone's loss on the same batch
     assert run.losses[20] < run.losses[1] - 0.2
+    summaries = [line for line in run.output.splitlines() if " - memory: " in line]  # eq. 4.12-4.13 and the gate
+    assert summaries and all(f"{name}: " in summaries[-1] for name in ("gate_mean", "w_h_norm", "contribution_global"))
 
     step = tmp_path / "run" / "checkpoint" / "step-20"
     model, _ = build_model("train_configs.backbone", "memoryllama_alma_debug")

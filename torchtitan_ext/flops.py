@@ -95,7 +95,8 @@ def decoder_lm(cfg: DecoderLMConfig, seq_len: int) -> float:
     output head, and what a graft adds: LoRA factors; a MemoryLlama block's memory (write,
     the read of m and the read of h), W_DP and W_g, its chunked attention attending over
     (seq_len + chunk) / 2 keys on average (what the chunk-by-chunk attention computes) in
-    place of the block's seq_len. A frozen backbone's matmuls count 2x their forward (the
+    place of the block's seq_len; the last chunk's Newton-Schulz write runs forward only
+    (no later chunk reads it). A frozen backbone's matmuls count 2x their forward (the
     activations' gradient is still taken, the weights' is not), trained ones 3x."""
     d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     block = 2 * linear(d, q) + 2 * linear(d, kv) + attention_span(q, seq_len) + 3 * linear(d, cfg.ffn_hidden)
@@ -115,6 +116,10 @@ def decoder_lm(cfg: DecoderLMConfig, seq_len: int) -> float:
         added += grafted * per_block
         chunk = min(graft.memory.chunk_size, seq_len)
         backbone -= grafted * (attention_span(q, seq_len) - attention_span(q, (seq_len + chunk) / 2))
+        if memory.newton_schulz_steps and seq_len % chunk == 0:  # nothing reads the last chunk's write: no backward
+            last_write = memory.n_heads * sum(newton_schulz(i, o, memory.newton_schulz_steps)
+                                              for i, o in memory.layer_shapes())
+            added -= grafted * (TRAIN - FORWARD_ONLY) / TRAIN * last_write / seq_len
     frozen = graft.kind != "none" and graft.train == "graft"
     return (FORWARD_AND_INPUT_GRAD if frozen else TRAIN) * backbone + TRAIN * added
 
