@@ -7,8 +7,9 @@
 Documents at least as long as the context are read from their start (never concatenated
 across documents); for each context length L, each one's first L tokens are scored: the NLL
 of every token after the first, given the ones before it. Reported: perplexity per context
-length (with a 95% bootstrap interval over documents, and each document's mean NLL in
-results.json for paired comparisons), and per position bucket (`--bucket` tokens) so the fall (or rise) along the
+length (with a 95% bootstrap interval over documents; with several checkpoints, each one's
+perplexity ratio to the first on the same documents, with a paired interval), and per
+position bucket (`--bucket` tokens) so the fall (or rise) along the
 context is visible.
 
 Modes (one per checkpoint, or one for all):
@@ -189,6 +190,14 @@ def evaluate(entry: Entry, docs: list[list[int]], length: int, bucket: int, batc
             "doc_nll": per_doc.tolist(), "tokens": nll.numel(), "documents": len(rows), "buckets": buckets}
 
 
+def add_paired_ratio(cell: dict, reference: dict) -> None:
+    """Perplexity ratio to the first run on the same documents, exp(mean per-document NLL
+    difference), with its 95% bootstrap interval (paired: tighter than the two intervals)."""
+    diff = torch.tensor(cell["doc_nll"], dtype=torch.float64) - torch.tensor(reference["doc_nll"], dtype=torch.float64)
+    cell["ratio_to_first"] = math.exp(diff.mean().item())
+    cell["ratio_to_first_ci95"] = list(bootstrap(diff))
+
+
 def bootstrap(per_doc: torch.Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% interval of exp(mean) over documents resampled with replacement; per_doc (D,)."""
     picks = torch.randint(0, len(per_doc), (resamples, len(per_doc)), generator=torch.Generator().manual_seed(seed))
@@ -207,6 +216,14 @@ def markdown(results: dict) -> str:
         cells = [f"{r['ppl']:.2f} ({r['ppl_ci95'][0]:.2f}-{r['ppl_ci95'][1]:.2f})"
                  for r in (run["results"][str(n)] for n in lengths)]
         lines.append(f"| {run['label']} | {run['mode']} | " + " | ".join(cells) + " |")
+    if len(results["runs"]) > 1:
+        first = results["runs"][0]["label"]
+        lines += ["", f"Perplexity ratio to {first} on the same documents (paired 95% bootstrap interval):", "",
+                  "| model | " + " | ".join(str(n) for n in lengths) + " |", "| --- | " + " | ".join("---" for _ in lengths) + " |"]
+        for run in results["runs"][1:]:
+            cells = [f"{r['ratio_to_first']:.3f} ({r['ratio_to_first_ci95'][0]:.3f}-{r['ratio_to_first_ci95'][1]:.3f})"
+                     for r in (run["results"][str(n)] for n in lengths)]
+            lines.append(f"| {run['label']} | " + " | ".join(cells) + " |")
     longest = str(lengths[-1])
     lines += ["", f"Per position bucket at {longest} tokens:", "",
               "| model | " + " | ".join(f"{b['start']}-{b['end']}" for b in results["runs"][0]["results"][longest]["buckets"]) + " |",
@@ -282,6 +299,9 @@ def run(args: argparse.Namespace) -> dict:
     runs = [{"label": e.label, "checkpoint": str(c), "mode": e.mode,
              "results": {str(n): evaluate(e, docs, n, args.bucket, args.batch_size) for n in lengths}}
             for e, c in zip(entries, args.checkpoint)]
+    for other in runs[1:]:
+        for n in lengths:
+            add_paired_ratio(other["results"][str(n)], runs[0]["results"][str(n)])
     return {"dataset": args.dataset, "split": dataset_split(args.dataset, args.split), "device": args.device,
             "dtype": str(args.dtype).removeprefix("torch."), "context_lengths": lengths, "documents": len(docs),
             "runs": runs}

@@ -68,6 +68,8 @@ def test_writes_json_table_and_plot_and_streaming_equals_one_pass(checkpoints, l
         assert abs(full["results"][length]["nll"] - streaming["results"][length]["nll"]) < 1e-9
         cell = full["results"][length]
         assert len(cell["doc_nll"]) == 3 and abs(sum(cell["doc_nll"]) / 3 - cell["nll"]) < 1e-5  # equal-length docs
+        streamed = streaming["results"][length]  # the same model: ratio 1 to the first run
+        assert abs(streamed["ratio_to_first"] - 1) < 1e-9 and "ratio_to_first" not in cell
         low, high = cell["ppl_ci95"]
         assert min(map(math.exp, cell["doc_nll"])) <= low <= cell["ppl"] <= high <= max(map(math.exp, cell["doc_nll"]))
     assert len(full["results"]["512"]["buckets"]) == 4
