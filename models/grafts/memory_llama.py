@@ -33,7 +33,9 @@ Choices where the thesis is silent or its equations do not fit (tested):
   to 3e3 to 7e7 over three chunks). "muon"
   (default) writes one step per chunk, orthogonalised by Newton-Schulz and scaled by
   `step_scale` (Mela's eq. 10-11 with its learning rate, models/lms/mela.py): the step's size
-  no longer depends on the gradients', and the same runs went 60 steps without a NaN.
+  no longer depends on the gradients', and the same runs went 60 steps without a NaN. Its
+  cost is Newton-Schulz on the single dim x 2 dim head once per chunk, 10 dim^3 / C per
+  token and step: at dim 2048 choose C in the hundreds (train_configs/backbone.py).
 - The query of eq. 4.1 is taken from RMSNorm(x_t), the vector it is concatenated with,
   not from the raw residual stream (whose scale grows with depth; SiLU before the L2 norm
   is not scale-invariant).
