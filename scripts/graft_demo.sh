@@ -6,7 +6,7 @@
 #      MemoryLlama ALMA + LoRA (memoryllama_alma_debug), and the control with the same LoRA
 #      and no memory (backbone_qwen3_debug_lora);
 #   3. evaluate the ungrafted backbone and both finetunes (scripts/eval_long_ppl.py) on the
-#      held-out documents at the training context (256) and 4x it, with intervals.
+#      held-out documents at the training context (256) and 2x it, with intervals.
 # Environment: PRETRAIN_STEPS [400], FINETUNE_STEPS [100], FINETUNE_LR [2e-3: the debug configs'
 # 1e-2 made held-out perplexity worse for both finetunes], OUT [outputs/graft_demo/<time>], SKIP_SETUP=1. Results: $OUT/eval/results.md (and .json, .png); logs beside them.
 set -euo pipefail
@@ -42,7 +42,7 @@ train memory memoryllama_alma_debug "${from_hf[@]}"
 train lora_only backbone_qwen3_debug_lora "${from_hf[@]}"
 
 echo "graft_demo: evaluating (log: $run/eval.log)"
-$PY scripts/eval_long_ppl.py --dataset embedded --context-lengths 256,1024 --max-docs 48 --bucket 256 \
+$PY scripts/eval_long_ppl.py --dataset embedded --context-lengths 256,512 --max-docs 64 --bucket 128 \
   --checkpoint "$run/backbone_hf" --config train_configs.backbone:backbone_qwen3_debug --label backbone \
   --checkpoint "$run/lora_only/checkpoint/step-$finetune" --config train_configs.backbone:backbone_qwen3_debug_lora \
   --label lora_only \
