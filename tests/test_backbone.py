@@ -1,5 +1,5 @@
 """The pretrained backbone (models/backbones/decoder_lm.py) against transformers' Llama and
-Qwen3 and torchtitan's llama3, loaded from the same tiny random Hugging Face checkpoints."""
+Qwen3 and torchtitan's llama3 and qwen3, loaded from the same tiny random Hugging Face checkpoints."""
 
 from __future__ import annotations
 
@@ -205,3 +205,38 @@ def test_an_hf_checkpoint_of_another_shape_stops_before_training(tokenizer_dir, 
     run = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.no-enable",
                             "--dump_folder", str(tmp_path / "off")])
     assert run.returncode == 2 and "ignored while checkpointing is off" in run.output.strip().splitlines()[-1]
+
+
+def test_backbone_equals_torchtitans_qwen3_on_the_same_hf_weights(tmp_path):
+    """torchtitan's qwen3 (fused qkv, q/k norm, head_dim 32 != 64 / 4, tied head), built at the
+    checkpoint's shape from its own layer builder, reads the same Hugging Face file through its
+    adapter: every weight loads and the logits equal ours."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+    from torchtitan.models.qwen3 import _build_qwen3_layers, _qwen3_norm, Qwen3Model
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    from torchtitan_ext.attention import use_cpu_attention
+    from torchtitan_ext.hf_export import load_safetensors
+
+    hf_checkpoint("qwen3_head_dim_32_tied", tmp_path)
+    ours = load_hf_backbone(tmp_path).eval()
+    c = ours.cfg
+    rope = CosSinRoPE.Config(dim=c.head_dim, max_seq_len=c.max_seq_len, theta=c.rope_theta)
+    config = Qwen3Model.Config(
+        vocab_size=c.vocab_size, dim=c.dim, norm=_qwen3_norm(c.dim), enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(num_embeddings=c.vocab_size, embedding_dim=c.dim),
+        lm_head=Linear.Config(in_features=c.dim, out_features=c.vocab_size),
+        layers=_build_qwen3_layers(n_layers=c.n_layers, dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
+                                   head_dim=c.head_dim, hidden_dim=c.ffn_hidden, attn_backend="flex", rope=rope))
+    use_cpu_attention(config)
+    titan = config.build()
+    titan.init_weights(buffer_device=None)
+    loaded = titan.load_state_dict(Qwen3StateDictAdapter(config, None).from_hf(load_safetensors(tmp_path)), strict=False)
+    assert not loaded.missing_keys and not loaded.unexpected_keys
+    titan.eval()
+    tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(80).expand_as(tokens)
+    with torch.no_grad():
+        theirs = titan(tokens, positions=positions, attention_masks=create_varlen_metadata_for_document(positions))
+        torch.testing.assert_close(ours(tokens), theirs, rtol=0, atol=1e-4)
