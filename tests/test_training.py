@@ -61,16 +61,17 @@ MEMORY_DIAGNOSTICS = {
 }
 
 
-def test_resume_reproduces_the_straight_run_bit_for_bit(tokenizer_dir, tmp_path):
-    common = CONFIGS["transformer"] + ["--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
-                                       "--lr_scheduler.total_steps", "20", "--checkpoint.interval", "10"]
+@pytest.mark.parametrize("family", ["transformer", "memoryllama"])
+def test_resume_reproduces_the_straight_run_bit_for_bit(family, tokenizer_dir, tmp_path):
+    common = (CONFIGS | GRAFTS)[family] + ["--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
+                                           "--lr_scheduler.total_steps", "20", "--checkpoint.interval", "10"]
     straight = train(common + ["--training.steps", "20", "--dump_folder", str(tmp_path / "straight")])
     first = train(common + ["--training.steps", "10", "--dump_folder", str(tmp_path / "resumed"), "--metrics.enable-wandb"])
     second = train(common + ["--training.steps", "20", "--dump_folder", str(tmp_path / "resumed")])
     assert all(r.returncode == 0 for r in (straight, first, second)), (straight, first, second)
     assert sorted(second.losses) == list(range(11, 21))
     assert {**first.losses, **second.losses} == straight.losses
-    assert straight.losses[20] < straight.losses[1] - 1.0
+    assert straight.losses[20] < straight.losses[1] - (1.0 if family in CONFIGS else 0.1)  # a graft on a random backbone
     assert list((tmp_path / "resumed").rglob("offline-run-*")), "wandb wrote no offline run"
 
 
