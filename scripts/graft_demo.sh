@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Graft a memory onto a pretrained backbone, offline on 2 CPU cores (about 10 minutes):
+# Graft a memory onto a pretrained backbone, offline on 2 CPU cores (about 5 minutes after setup):
 #   1. pretrain backbone_qwen3_debug (a 4-block Qwen3) on the embedded corpus and export it
 #      as a Hugging Face Qwen3 folder (what a user would download);
 #   2. finetune from that folder (--checkpoint.initial_load_in_hf), the backbone frozen:
@@ -7,8 +7,9 @@
 #      and no memory (backbone_qwen3_debug_lora);
 #   3. evaluate the ungrafted backbone and both finetunes (scripts/eval_long_ppl.py) on the
 #      held-out documents at the training context (256) and 2x it, with intervals.
-# Environment: PRETRAIN_STEPS [400], FINETUNE_STEPS [100], FINETUNE_LR [2e-3: the debug configs'
-# 1e-2 made held-out perplexity worse for both finetunes], OUT [outputs/graft_demo/<time>], SKIP_SETUP=1. Results: $OUT/eval/results.md (and .json, .png); logs beside them.
+# Environment: PRETRAIN_STEPS [400], FINETUNE_STEPS [100], FINETUNE_LR [2e-3, for both finetunes],
+# OUT [outputs/graft_demo/<time>], SKIP_SETUP=1. Results: $OUT/eval/results.md (and .json,
+# .png), the logs beside them; docs/benchmarks.md has a run's figures and what they show.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh

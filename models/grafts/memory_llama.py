@@ -30,10 +30,10 @@ Choices where the thesis is silent or its equations do not fit (tested):
   chunk are alike, their C gradients add up, and with momentum the step exceeds the
   curvature's limit (measured on the 4-block debug Qwen3, random-token batches, AdamW: at
   lr 1e-2 and 3e-3 the loss was NaN within 10 and 41 steps, the fast weights growing from 20
-  to 3e3 to 7e7 over three chunks). "muon"
-  (default) writes one step per chunk, orthogonalised by Newton-Schulz and scaled by
-  `step_scale` (Mela's eq. 10-11 with its learning rate, models/lms/mela.py): the step's size
-  no longer depends on the gradients', and the same runs went 60 steps without a NaN. Its
+  to 3e3 to 7e7 over three chunks). "muon" (default) writes one step per chunk,
+  orthogonalised by Newton-Schulz and scaled by `step_scale` (Mela's eq. 10-11 with its
+  learning rate, models/lms/mela.py): the step's size no longer depends on the gradients',
+  and the same runs went 60 steps without a NaN. Its
   cost is Newton-Schulz on the single dim x 2 dim head once per chunk, 10 dim^3 / C per
   token and step: at dim 2048 choose C in the hundreds (train_configs/backbone.py).
 - The query of eq. 4.1 is taken from RMSNorm(x_t), the vector it is concatenated with,
@@ -42,23 +42,24 @@ Choices where the thesis is silent or its equations do not fit (tested):
 - The memory writes and reads RMSNorm(a_t) (a learned-weight RMSNorm, `memory_norm`), not
   a_t: a_t's scale is unbounded, and on raw a_t a debug finetune (lr 1e-2) diverged within
   10 steps: large a_t saturate theta at max_lr and eta at 1 and enlarge the values, the fast
-  weights grew from 37 to 1.2e4 in one chunk, and h fed the growth back into a_t through x_DP. The memory state is not reset at packed-document boundaries
-  (as in the project's Titans); attention is document-masked as in the backbone.
+  weights grew from 37 to 1.2e4 in one chunk, and h fed the growth back into a_t through x_DP.
+- The memory state is not reset at packed-document boundaries (as in the project's Titans);
+  attention is document-masked as in the backbone.
 - Two inits (`init`):
-  * "exact" (default): the block computes the backbone's block at step 0 (every graft
-    term is multiplied by a zero), and every change is a learned departure from it. In
-    float32 the chunked attention and projections may round differently from the
-    backbone's full-sequence kernels: 0 difference at the unit tests' shapes, up to 6e-7 on
-    logits at others (CPU), the same first loss through torchtitan. x_DP = RMSNorm(x) + [RMSNorm(x), h] W_DP with
-    W_DP = 0 (the thesis' W_x = I, W_h = 0, written as a delta so that weight decay pulls
-    towards the identity rather than towards zero); y = a + s * g * (m - a) with a per-channel
-    gate scale s = 0 (so g's values are free at init: W_g = 0, b_g = 0); o = x + y, the
-    backbone's identity residual. s receives gradient at the first step, W_DP at the first
-    (through the attention), W_g / b_g and the memory's projections from the second.
+  * "exact" (default): the block computes the backbone's block at step 0 (every graft term
+    is multiplied by a zero), and every change is a learned departure from it:
+    x_DP = RMSNorm(x) + [RMSNorm(x), h] W_DP with W_DP = 0 (the thesis' W_x = I, W_h = 0,
+    written as a delta so that weight decay pulls towards the identity rather than towards
+    zero); y = a + s * g * (m - a) with a per-channel gate scale s = 0 (so g's values are
+    free at init: W_g = 0, b_g = 0); o = x + y, the backbone's identity residual. s receives
+    gradient at the first step, W_DP at the first (through the attention), W_g / b_g and the
+    memory's projections from the second. In float32 the chunked attention and projections
+    may round differently from the backbone's full-sequence kernels: 0 difference at the unit
+    tests' shapes, up to 6e-7 on logits at others (CPU), the same first loss through torchtitan.
   * "thesis": W_x = I, W_h = 0, W_g = 0, b_g = -6, o = y + x_DP as printed. Not the
     backbone at init: g = sigmoid(-6) = 2.5e-3 mixes m into y, and eq. 4.10's residual is
     RMSNorm(x) in place of x, so the block drops the residual stream's scale (the thesis'
-    code has the same, `../shared/notes/prior-implementations.md`). Kept to reproduce it.
+    public code does the same). Kept to reproduce it.
 
 Shapes: x (B, L, dim) -> (B, L, dim). `last_stats` holds the thesis' monitoring (section
 4.2.2) of the last forward.
@@ -81,7 +82,7 @@ CONTRIBUTION_EPS = 1e-6
 
 @dataclass
 class MemoryLlamaConfig:
-    init: str = "exact"  # "exact": the backbone bit for bit at step 0; "thesis": its printed values
+    init: str = "exact"  # "exact": the backbone's block at step 0; "thesis": the thesis' printed values
     update: str = "muon"  # "muon": one Newton-Schulz step per chunk; "titans": eq. 2.39-2.40 per token
     chunk_size: int = 64  # tokens per sequential step (1 with update "titans": the thesis' token-by-token rule)
     step_scale: float = 0.1  # update "muon": M = (1 - alpha) M + step_scale NewtonSchulz(S)
