@@ -16,7 +16,8 @@ Modes (one per checkpoint, or one for all):
 - full: the whole context in one forward pass;
 - streaming: memory models (Mela, Titans): segments of `--segment` tokens (default: one Mela
   chunk, or 64 tokens / one MAC window for Titans), the
-  memory state carried between them, so memory use stays constant in L;
+  memory state carried between them, so memory use stays constant in L; the pretrained
+  backbone and its grafts stream too, carrying their key / value caches (memory grows with L);
 - truncated: independent blocks of `--window` tokens (default: the training seq_len), the
   context reset at each block start (a Transformer++ baseline);
 - sliding: each token sees up to `--window` earlier tokens (windows advance by half a window).

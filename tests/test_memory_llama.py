@@ -332,3 +332,19 @@ def test_one_and_two_processes_from_one_seed_agree_and_keep_the_backbone(tmp_pat
         frozen = {k for k, p in trained.named_parameters() if not p.requires_grad}
         assert frozen and all(torch.equal(start[k], end[k]) for k in frozen)
         assert all(not torch.equal(start[k], end[k]) for k, p in trained.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("update,chunk", [("muon", CHUNK), ("titans", 1)])
+def test_streaming_in_segments_equals_one_pass_in_float64(update, chunk):
+    """Segments that cut chunks anywhere: the caches (keys, values, memory state) carry
+    everything, and chunks stay aligned to the stream's positions."""
+    model = awaken(tiny(layers="0,2", update=update, chunk=chunk)).double()
+    x = tokens()
+    with torch.no_grad():
+        outputs, state, start = [], None, 0
+        for length in (37, 50, 9):
+            out, state = model.stream(x[:, start:start + length], state)
+            outputs.append(out)
+            start += length
+        torch.testing.assert_close(torch.cat(outputs, 1), model(x), rtol=0, atol=1e-10)
+    assert state.seen == LENGTH and state.caches[0][0].shape[2] == LENGTH  # every key kept

@@ -76,7 +76,7 @@ class TransformerPP(torch.nn.Module):
 FAMILIES = {f"titans_{v}": (lambda v=v: titans(v)) for v in VARIANTS} | {
     "mela": mela, "mela_per_step_chain": lambda: mela(memory_chain="per_step"), "mlp_lm": mlp_lm,
     "transformer": TransformerPP, "backbone": backbone, "memoryllama": memoryllama}
-STREAMING = {name for name in FAMILIES if name.startswith(("titans", "mela"))}
+STREAMING = {name for name in FAMILIES if name.startswith(("titans", "mela", "backbone", "memoryllama"))}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,6 +55,11 @@ class DecoderLMConfig:
     init_std: float = 0.02
     graft: GraftConfig = field(default_factory=GraftConfig)  # what is grafted onto the blocks (models/grafts/graft.py)
 
+    @property
+    def stream_segment(self) -> int:
+        """`DecoderLM.stream` continues from any token (the caches hold everything)."""
+        return 1
+
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"backbone architecture '{self.architecture}' unknown: choose one of {ARCHITECTURES}")
@@ -64,6 +70,14 @@ class DecoderLMConfig:
             self.graft = GraftConfig(**self.graft)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
+
+
+class DecoderState(NamedTuple):
+    """A stream's state: per block its cache (keys, values) or, for a MemoryLlama block,
+    (keys, values, MemoryState); `seen` tokens so far."""
+
+    caches: tuple
+    seen: int
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +143,16 @@ class Block(nn.Module):
         x = x + self.attention(self.attention_norm(x), positions, doc_positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
+    def step(self, x: torch.Tensor, positions: torch.Tensor, cache: tuple | None):
+        """The next tokens of a stream (one document per row): x (B, L, dim), positions (B, L)
+        continuing the stream's; cache (keys, values) of the tokens before or None ->
+        (output, cache with x's keys and values appended)."""
+        q, k, v = self.attention.project(self.attention_norm(x), positions)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+        x = x + self.attention.attend(q, k, v, None)
+        return x + self.feed_forward(self.ffn_norm(x)), (k, v)
+
 
 class DecoderLM(nn.Module):
     """Llama / Qwen3 decoder LM (module docstring)."""
@@ -168,6 +192,19 @@ class DecoderLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling).to(device)
+
+    def stream(self, tokens: torch.Tensor, state: DecoderState | None = None):
+        """Logits of tokens (B, T) continuing the stream `state` (None: a new one, one
+        document per row), and the state after them: every block's key / value cache (and a
+        MemoryLlama block's memory state). Any split of a sequence gives its one-pass logits
+        (up to rounding): MemoryLlama's chunks stay aligned to the stream's positions."""
+        state = state or DecoderState((None,) * len(self.layers), 0)
+        positions = torch.arange(state.seen, state.seen + tokens.shape[1], device=tokens.device).expand_as(tokens)
+        h, caches = self.tok_embeddings(tokens), []
+        for block, cache in zip(self.layers.values(), state.caches):
+            h, cache = block.step(h, positions, cache)
+            caches.append(cache)
+        return self.lm_head(self.norm(h)), DecoderState(tuple(caches), state.seen + tokens.shape[1])
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
         """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None (one

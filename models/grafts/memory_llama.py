@@ -152,30 +152,35 @@ class MemoryLlamaBlock(nn.Module):
         x_dp = self.memory_down_proj(torch.cat([xn, h], -1))
         return xn + x_dp if self.cfg.init == "exact" else x_dp
 
-    def _attend_with_memory(self, xn: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None):
+    def _attend_with_memory(self, xn: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None,
+                            cache: tuple | None = None):
         """The sequential part, chunk by chunk: h, x_DP, attention over the cache, the memory
-        write and read. xn (B, L, dim) -> x_DP, a, m (B, L, dim) each."""
-        state = self.memory.empty_state(xn.shape[0], device=xn.device, dtype=xn.dtype)
-        keys, values, x_dps, attended, reads = [], [], [], [], []
-        size = self.cfg.chunk_size
-        for start in range(0, xn.shape[1], size):
-            end = min(start + size, xn.shape[1])
+        write and read. xn (B, L, dim) -> x_DP, a, m (B, L, dim) each, and the cache after
+        them: (keys, values (B, n_kv_heads, seen + L, head_dim), MemoryState). `cache`
+        continues a stream (chunks stay aligned to the stream's multiples of chunk_size)."""
+        keys, values, state = cache or (None, None, self.memory.empty_state(xn.shape[0], device=xn.device,
+                                                                            dtype=xn.dtype))
+        keys, values = [] if keys is None else [keys], [] if values is None else [values]
+        seen = keys[0].shape[2] if keys else 0
+        size, x_dps, attended, reads = self.cfg.chunk_size, [], [], []
+        start = 0
+        while start < xn.shape[1]:
+            end = min(start + size - (seen + start) % size, xn.shape[1])
             xn_c = xn[:, start:end]
             x_dp = self._down_project(xn_c, self.memory.retrieve(xn_c, state))
             q, k, v = self.attention.project(x_dp, positions[:, start:end])
-            keys.append(k)
-            values.append(v)
-            a = self.attention.attend(q, torch.cat(keys, 2), torch.cat(values, 2),
-                                      None if doc_positions is None else doc_positions[:, :end])
+            keys, values = [torch.cat(keys + [k], 2)], [torch.cat(values + [v], 2)]
+            a = self.attention.attend(q, keys[0], values[0], None if doc_positions is None else doc_positions[:, :end])
             m, state = self.memory(self.memory_norm(a), state)
             x_dps.append(x_dp)
             attended.append(a)
             reads.append(m)
-        return torch.cat(x_dps, 1), torch.cat(attended, 1), torch.cat(reads, 1)
+            start = end
+        return torch.cat(x_dps, 1), torch.cat(attended, 1), torch.cat(reads, 1), (keys[0], values[0], state)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
-        """x (B, L, dim); positions (B, L) for RoPE; doc_positions (B, L) or None for masking."""
-        x_dp, a, m = self._attend_with_memory(self.attention_norm(x), positions, doc_positions)
+    def _block(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None, cache):
+        """The whole block (eq. 4.1-4.10, then the FFN): (output, cache after x)."""
+        x_dp, a, m, new_cache = self._attend_with_memory(self.attention_norm(x), positions, doc_positions, cache)
         gate = torch.sigmoid(self.memory_gate(a))  # eq. 4.8
         if self.cfg.init == "exact":
             gate = self.memory_gate_scale * gate
@@ -183,7 +188,16 @@ class MemoryLlamaBlock(nn.Module):
         else:
             o = x_dp + ((1 - gate) * a + gate * m)  # eq. 4.9-4.10 as printed
         self._note_stats(gate, a, m)
-        return o + self.feed_forward(self.ffn_norm(o))
+        return o + self.feed_forward(self.ffn_norm(o)), new_cache
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
+        """x (B, L, dim); positions (B, L) for RoPE; doc_positions (B, L) or None for masking."""
+        return self._block(x, positions, doc_positions, None)[0]
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, cache: tuple | None):
+        """The next tokens of a stream (one document per row; `DecoderLM.stream`): x (B, L,
+        dim), positions (B, L) continuing the stream's -> (output, cache)."""
+        return self._block(x, positions, None, cache)
 
     def _note_stats(self, gate: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> None:
         """The thesis' monitoring (section 4.2.2), detached: gate mean/std/min/max (the
