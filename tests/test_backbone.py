@@ -107,10 +107,21 @@ def test_packed_documents_do_not_see_each_other_and_the_model_is_causal(float64)
         assert not torch.equal(model(changed)[:, 15:], model(tokens)[:, 15:])
 
 
+def assert_same_logits(ours, titan) -> None:
+    """Our backbone and a torchtitan model give the same logits on 2 x 80 random tokens."""
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
+    titan.eval()
+    tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(80).expand_as(tokens)
+    with torch.no_grad():
+        theirs = titan(tokens, positions=positions, attention_masks=create_varlen_metadata_for_document(positions))
+        torch.testing.assert_close(ours(tokens), theirs, rtol=0, atol=1e-4)
+
+
 def test_backbone_equals_torchtitans_llama3_on_the_same_hf_weights(tmp_path):
     """torchtitan's llama3 (its own RoPE layout: its adapter permutes q and k) and ours read
     one Hugging Face checkpoint and give the same logits."""
-    from torchtitan.models.common.attention import create_varlen_metadata_for_document
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     from torchtitan_ext.hf_export import load_safetensors
@@ -126,12 +137,7 @@ def test_backbone_equals_torchtitans_llama3_on_the_same_hf_weights(tmp_path):
     loaded = titan.load_state_dict(adapter.from_hf(load_safetensors(tmp_path)), strict=False)
     parameters = {name for name, _ in titan.named_parameters()}
     assert not loaded.unexpected_keys and not parameters & set(loaded.missing_keys)  # every weight came from the file
-    titan.eval()
-    tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(80).expand_as(tokens)
-    with torch.no_grad():
-        theirs = titan(tokens, positions=positions, attention_masks=create_varlen_metadata_for_document(positions))
-        torch.testing.assert_close(ours(tokens), theirs, rtol=0, atol=1e-4)
+    assert_same_logits(ours, titan)
 
 
 
@@ -212,7 +218,6 @@ def test_backbone_equals_torchtitans_qwen3_on_the_same_hf_weights(tmp_path):
     checkpoint's shape from its own layer builder, reads the same Hugging Face file through its
     adapter: every weight loads and the logits equal ours."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.attention import create_varlen_metadata_for_document
     from torchtitan.models.qwen3 import _build_qwen3_layers, _qwen3_norm, Qwen3Model
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -234,9 +239,4 @@ def test_backbone_equals_torchtitans_qwen3_on_the_same_hf_weights(tmp_path):
     titan.init_weights(buffer_device=None)
     loaded = titan.load_state_dict(Qwen3StateDictAdapter(config, None).from_hf(load_safetensors(tmp_path)), strict=False)
     assert not loaded.missing_keys and not loaded.unexpected_keys
-    titan.eval()
-    tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(80).expand_as(tokens)
-    with torch.no_grad():
-        theirs = titan(tokens, positions=positions, attention_masks=create_varlen_metadata_for_document(positions))
-        torch.testing.assert_close(ours(tokens), theirs, rtol=0, atol=1e-4)
+    assert_same_logits(ours, titan)

@@ -26,7 +26,6 @@ from models.grafts.memory_llama import memory_llama_diagnostics
 from torchtitan_ext import flops
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family
-from torchtitan_ext.plain_model import WrapperStateDictAdapter
 
 # (our key pattern, Hugging Face key pattern); {} is the layer index.
 KEY_MAP = (
@@ -74,13 +73,10 @@ def from_hf_keys(state: dict, tied: bool) -> dict:
     return ours
 
 
-WRAPPED_EMBEDDINGS = WrapperStateDictAdapter.PREFIX + "tok_embeddings.weight"
-
-
 class HFBackboneAdapter(StateDictAdapter):
     """torchtitan StateDictAdapter: our keys <-> Hugging Face Llama / Qwen3 keys (graft weights
-    left out: an initial load from a Hugging Face folder leaves them at their init). Reads
-    the remote-code export of a grafted backbone too (`model.` + our keys)."""
+    left out: an initial load from a Hugging Face folder leaves them at their init; a grafted
+    backbone's own export is remote code, read through `hf_export.hf_form`)."""
 
     def _tied(self) -> bool:
         return bool(self.model_config.model.tie_embeddings)
@@ -89,8 +85,6 @@ class HFBackboneAdapter(StateDictAdapter):
         return to_hf_keys(state_dict, self._tied())
 
     def from_hf(self, hf_state_dict):
-        if WRAPPED_EMBEDDINGS in hf_state_dict:  # a grafted backbone's remote-code export
-            return WrapperStateDictAdapter(self.model_config, None).from_hf(hf_state_dict)
         return from_hf_keys(hf_state_dict, self._tied())
 
 

@@ -141,6 +141,14 @@ def _remote_code(family: Family, plain_config, folder: Path):
     return config
 
 
+def hf_form(family: Family, spec, model: torch.nn.Module):
+    """(transformers config, state-dict adapter) of `model`'s Hugging Face form: a standard
+    transformers class (its config, from the model's own config or its flavor's, and the
+    family's adapter) or remote code (None, the `model.` prefix adapter)."""
+    config = None if family.remote_export else family.hf_config(getattr(model, "cfg", None) or family.config(spec.flavor))
+    return config, (WrapperStateDictAdapter if config is None else spec.state_dict_adapter)(spec.model, None)
+
+
 def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: str | int = "2GB",
            merge_lora: bool = False) -> None:
     """Write `model` (built from `trainer_config`) as a Hugging Face folder at `out`; with
@@ -159,9 +167,7 @@ def export(model: torch.nn.Module, trainer_config, out: Path, max_shard_size: st
             raise UserError(f"--merge-lora: {spec.name} {spec.flavor} has no LoRA graft to merge")
         merge(model)
         model.cfg = dataclasses.replace(model.cfg, graft=GraftConfig())
-    # A standard transformers class, from the model's own config or its flavor's; or remote code.
-    config = None if family.remote_export else family.hf_config(getattr(model, "cfg", None) or family.config(spec.flavor))
-    adapter = (WrapperStateDictAdapter if config is None else spec.state_dict_adapter)(spec.model, None)
+    config, adapter = hf_form(family, spec, model)
     with staged_folder(out) as staging:
         state = {k: v.detach().clone() for k, v in adapter.to_hf(model.state_dict()).items()}
         save_safetensors(state, staging, max_shard_size)
@@ -186,8 +192,8 @@ def import_weights(module: str, function: str, hf_folder: Path):
 
     meta, config = build_model(module, function, "meta")
     spec = config.model_spec
-    export_family(spec.name)
-    state = spec.state_dict_adapter(spec.model, None).from_hf(load_safetensors(hf_folder))
+    _, adapter = hf_form(export_family(spec.name), spec, meta)
+    state = adapter.from_hf(load_safetensors(hf_folder))
     stored = {k: TensorStorageMetadata(None, v.shape, []) for k, v in state.items()}
     expected = meta.state_dict()
     check_compatible(expected, stored, hf_folder, f"{spec.name} {spec.flavor} model")

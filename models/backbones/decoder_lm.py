@@ -74,10 +74,14 @@ class DecoderLMConfig:
 
 class DecoderState(NamedTuple):
     """A stream's state: per block its cache (keys, values) or, for a MemoryLlama block,
-    (keys, values, MemoryState); `seen` tokens so far."""
+    (keys, values, MemoryState), None before the first call."""
 
     caches: tuple
-    seen: int
+
+    @property
+    def seen(self) -> int:
+        """Tokens read so far (every block caches one key per token)."""
+        return 0 if self.caches[0] is None else self.caches[0][0].shape[2]
 
 
 class RMSNorm(nn.Module):
@@ -198,13 +202,13 @@ class DecoderLM(nn.Module):
         document per row), and the state after them: every block's key / value cache (and a
         MemoryLlama block's memory state). Any split of a sequence gives its one-pass logits
         (up to rounding): MemoryLlama's chunks stay aligned to the stream's positions."""
-        state = state or DecoderState((None,) * len(self.layers), 0)
+        state = state or DecoderState((None,) * len(self.layers))
         positions = torch.arange(state.seen, state.seen + tokens.shape[1], device=tokens.device).expand_as(tokens)
         h, caches = self.tok_embeddings(tokens), []
         for block, cache in zip(self.layers.values(), state.caches):
             h, cache = block.step(h, positions, cache)
             caches.append(cache)
-        return self.lm_head(self.norm(h)), DecoderState(tuple(caches), state.seen + tokens.shape[1])
+        return self.lm_head(self.norm(h)), DecoderState(tuple(caches))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
         """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None (one

@@ -160,8 +160,7 @@ class MemoryLlamaBlock(nn.Module):
         continues a stream (chunks stay aligned to the stream's multiples of chunk_size)."""
         keys, values, state = cache or (None, None, self.memory.empty_state(xn.shape[0], device=xn.device,
                                                                             dtype=xn.dtype))
-        keys, values = [] if keys is None else [keys], [] if values is None else [values]
-        seen = keys[0].shape[2] if keys else 0
+        seen = 0 if keys is None else keys.shape[2]
         size, x_dps, attended, reads = self.cfg.chunk_size, [], [], []
         start = 0
         while start < xn.shape[1]:
@@ -169,14 +168,15 @@ class MemoryLlamaBlock(nn.Module):
             xn_c = xn[:, start:end]
             x_dp = self._down_project(xn_c, self.memory.retrieve(xn_c, state))
             q, k, v = self.attention.project(x_dp, positions[:, start:end])
-            keys, values = [torch.cat(keys + [k], 2)], [torch.cat(values + [v], 2)]
-            a = self.attention.attend(q, keys[0], values[0], None if doc_positions is None else doc_positions[:, :end])
+            keys = k if keys is None else torch.cat([keys, k], 2)
+            values = v if values is None else torch.cat([values, v], 2)
+            a = self.attention.attend(q, keys, values, None if doc_positions is None else doc_positions[:, :end])
             m, state = self.memory(self.memory_norm(a), state)
             x_dps.append(x_dp)
             attended.append(a)
             reads.append(m)
             start = end
-        return torch.cat(x_dps, 1), torch.cat(attended, 1), torch.cat(reads, 1), (keys[0], values[0], state)
+        return torch.cat(x_dps, 1), torch.cat(attended, 1), torch.cat(reads, 1), (keys, values, state)
 
     def _block(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None, cache):
         """The whole block (eq. 4.1-4.10, then the FFN): (output, cache after x)."""
