@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
-from models.grafts.graft import apply_graft, GraftConfig
-from models.grafts.memory_llama import memory_llama_diagnostics, MemoryLlamaBlock
+from models.grafts.graft import apply_graft, graft_diagnostics, GraftConfig
+from models.grafts.memory_llama import MemoryLlamaBlock, MemoryLlamaConfig
 from torchtitan_ext.backbone import FAMILY, load_hf_backbone
 
 VOCAB, LENGTH, CHUNK = 256, 96, 16
@@ -176,13 +176,13 @@ def test_diagnostics_follow_the_gate():
     model = tiny(layers="alma")
     with torch.no_grad():
         model(tokens())
-    stats = memory_llama_diagnostics(model)
+    stats = graft_diagnostics(model)
     for layer in (1, 2):
         assert stats[f"memory/layer{layer}/gate_max"] == 0 == stats[f"memory/layer{layer}/contribution_global"]
         assert stats[f"memory/layer{layer}/w_h_norm"] == 0 and "memory/layer{layer}/theta_mean"
     with torch.no_grad():
         awaken(model)(tokens())
-    stats = memory_llama_diagnostics(model)
+    stats = graft_diagnostics(model)
     assert 0 < stats["memory/layer2/gate_min"] <= stats["memory/layer2/gate_mean"] <= stats["memory/layer2/gate_max"] < 1
     assert stats["memory/layer2/contribution_global"] > 0 and stats["memory/layer2/contribution_per_token"] > 0
 
@@ -205,8 +205,10 @@ def test_bad_graft_configs_name_the_problem():
         tiny(init="identity")
     with pytest.raises(ValueError, match="MemoryLlama update 'sgd' unknown"):
         tiny(update="sgd")
-    with pytest.raises(ValueError, match="set kind='memoryllama'"):
+    with pytest.raises(ValueError, match="graft kind 'lora' takes no memory config, got dict"):
         GraftConfig(kind="lora", memory={"chunk_size": 8})
+    with pytest.raises(ValueError, match="graft kind 'mone' takes MoNeConfig config, got MemoryLlamaConfig"):
+        GraftConfig(kind="mone", memory=MemoryLlamaConfig())
 
 
 @pytest.mark.parametrize("update,chunk,stable", [("muon", 64, True), ("titans", 1, True), ("titans", 64, False)])
@@ -214,7 +216,7 @@ def test_the_write_rule_stays_finite_on_alike_tokens(update, chunk, stable):
     """512 identical (normed) attention outputs, fast weights at twice their init scale,
     theta near max_lr, eta near 1: the default rule and the thesis' token-by-token one stay
     bounded; Titans' rule over chunks of 64 diverges (why "muon" is the default)."""
-    from models.grafts.memory_llama import memory_config, MemoryLlamaConfig
+    from models.grafts.memory_llama import memory_config
     from models.memory.neural_memory import NeuralMemory
 
     torch.manual_seed(0)

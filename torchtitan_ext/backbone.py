@@ -22,7 +22,7 @@ import torch
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from models.backbones.decoder_lm import config_from_hf, DecoderLM, DecoderLMConfig
-from models.grafts.memory_llama import memory_llama_diagnostics
+from models.grafts.graft import graft_diagnostics
 from torchtitan_ext import flops
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family
@@ -52,11 +52,11 @@ def _rename(key: str, source: int) -> str:
     raise UserError(f"weight '{key}' has no counterpart in a Llama / Qwen3 checkpoint: is this a backbone model?")
 
 
-GRAFT_KEY = re.compile(r"\.(lora_A|lora_B|memory[a-z_]*)\.|\.memory_gate_scale$")
+GRAFT_KEY = re.compile(r"\.(lora_A|lora_B|memory[a-z_]*)(\.|$)")
 
 
 def is_graft_key(key: str) -> bool:
-    """Weights a graft adds (no Hugging Face counterpart): LoRA factors, MemoryLlama's `memory*`."""
+    """Weights a graft adds (no Hugging Face counterpart): LoRA factors, a memory's `memory*`."""
     return GRAFT_KEY.search(key) is not None
 
 
@@ -165,6 +165,6 @@ def hf_config(cfg: DecoderLMConfig):
 FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen3 decoder (loads Hugging Face checkpoints; grafts "
                 "build on it)", flavors=FLAVORS, config_class=DecoderLMConfig, plain_class=DecoderLM,
                 hf_config=hf_config, state_dict_adapter=HFBackboneAdapter, flops_per_token=flops.decoder_lm,
-                diagnostics=memory_llama_diagnostics,
+                diagnostics=graft_diagnostics,
                 check_hf_folder=lambda config, folder: check_matches(config, read_hf_config(folder), folder))
 model_config, model_spec = FAMILY.config, FAMILY.model_spec

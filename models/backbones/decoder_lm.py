@@ -73,15 +73,12 @@ class DecoderLMConfig:
 
 
 class DecoderState(NamedTuple):
-    """A stream's state: per block its cache (keys, values) or, for a MemoryLlama block,
-    (keys, values, MemoryState), None before the first call."""
+    """A stream's state: per block its cache (keys, values), a MemoryLlama block's (keys,
+    values, MemoryState), a MoNe block's `MoNeCache`, None before the first call; and the
+    number of tokens read so far."""
 
     caches: tuple
-
-    @property
-    def seen(self) -> int:
-        """Tokens read so far (every block caches one key per token)."""
-        return 0 if self.caches[0] is None else self.caches[0][0].shape[2]
+    seen: int = 0
 
 
 class RMSNorm(nn.Module):
@@ -118,11 +115,17 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x (B, L, dim), positions (B, L) -> q (B, n_heads, L, head_dim), k and v
         (B, n_kv_heads, L, head_dim): projected, q/k-normed (Qwen3) and rotated."""
-        q, k, v = (w(x).unflatten(-1, (-1, self.cfg.head_dim)) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).unflatten(-1, (-1, self.cfg.head_dim))
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return apply_half_rope(q, positions, self.inv_freq), apply_half_rope(k, positions, self.inv_freq), v
+            q = self.q_norm(q)
+        return (apply_half_rope(q.transpose(1, 2), positions, self.inv_freq), *self.project_kv(x, positions))
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, L, dim), positions (B, L) -> k, v (B, n_kv_heads, L, head_dim) as `project`'s."""
+        k, v = (w(x).unflatten(-1, (-1, self.cfg.head_dim)) for w in (self.wk, self.wv))
+        if self.cfg.qk_norm:
+            k = self.k_norm(k)
+        return apply_half_rope(k.transpose(1, 2), positions, self.inv_freq), v.transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_positions: torch.Tensor | None):
         """Projected q (B, n_heads, Lq, head_dim) over k, v (B, n_kv_heads, Lk, head_dim), the
@@ -208,7 +211,7 @@ class DecoderLM(nn.Module):
         for block, cache in zip(self.layers.values(), state.caches):
             h, cache = block.step(h, positions, cache)
             caches.append(cache)
-        return self.lm_head(self.norm(h)), DecoderState(tuple(caches))
+        return self.lm_head(self.norm(h)), DecoderState(tuple(caches), state.seen + tokens.shape[1])
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
         """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None (one

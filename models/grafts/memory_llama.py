@@ -217,12 +217,3 @@ class MemoryLlamaBlock(nn.Module):
                 "contribution_per_token": per_token.mean(),
             } | self.memory.last_stats
 
-
-def memory_llama_diagnostics(model: nn.Module) -> dict[str, float]:
-    """`memory/layer<i>/...` of every MemoryLlama block's last forward (through wrappers)."""
-    metrics = {}
-    for name, block in model.named_modules():
-        if isinstance(block, MemoryLlamaBlock) and block.last_stats:
-            layer = f"memory/layer{name.split('layers.')[-1].split('.')[0]}"
-            metrics |= {f"{layer}/{k}": float(v) for k, v in block.last_stats.items()}
-    return metrics

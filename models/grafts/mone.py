@@ -1,0 +1,243 @@
+"""MoNe: a SwiGLU fast-weight memory in a pretrained decoder block, read as extra keys and values.
+
+"MoNe: Modular Neural Memory" (paper 004), section 3 and appendix A.2. A row is cut into
+segments of T tokens (token j: segment j // T, local position j mod T). For a grafted block
+and segment s, with xn = RMSNorm(x) (B, T, dim) the block's normed input:
+
+    q, k, v = the block's W_q, W_k, W_v (LoRA on them) of xn, RoPE at local positions (eq. 1, 3.3)
+    h_j  = gate_j * RMSNorm_head(M(q~_j; W_{s-1}))                     (eq. 4: memory tokens)
+    out  = Attn(q, [k || W_k h], [v || W_v h])                         (eq. 5)
+    W_s  = W_{s-1} - mu_s, from l_j = -v~_j . M(k~_j; W_{s-1})          (eq. 7-8)
+
+then x + W_o out and the block's own FFN. A token attends to the tokens of its segment up to
+itself and to their memory tokens (each read from W_{s-1}, the memory written by earlier
+segments): causal. The first segment reads W_0 (learned). The memory, its gradient
+(explicit backward), the momentum step (`kernels.memory_update`) and the channel-wise
+renormalisation are `models/memory/swiglu_memory.py`.
+
+Around the memory (appendix A.2, following LaCT): q~ = L2(SiLU(q a_q + b_q)) per memory
+head and k~ alike with its own affine (a, b per channel, init 1 and 0); v~ = SiLU(xn);
+lr_j = softplus(xn_j w_lr + b_lr) per head; beta_s = sigmoid(mean_j(xn_j) w_beta + b_beta)
+per head ("predicted from each chunk's hidden states"); gate_j = SiLU((q_j a_q + b_q) W_g)
+per head. LoRA r128 / alpha 128 on W_q, W_k, W_v is `MONE_LORA` (the graft's `lora`).
+
+Choices where the paper's shapes do not fit or it is silent (tested in tests/test_mone.py):
+- Keys. W_k x has n_kv_heads * head_dim channels (128 at Qwen2.5-0.5B, GQA), the read
+  queries W_q x n_heads * head_dim (896). The write keys are the attention's keys repeated
+  per query head (as GQA compares them with queries), so writes and reads share one space
+  of width n_heads * head_dim = H * in_h.
+- Values. Eq. 6's v = W_v x (128 channels) cannot be the target of a memory whose output h is
+  projected by W_k and W_v in eq. 5 (which needs h of width dim). The target is SiLU(xn),
+  the block's normed input (width dim = H * out_h; the paper's "values SiLU only"): the
+  memory returns hidden states, which W_k, W_v project as they project the tokens.
+- Memory tokens: one per token (eq. 4), masked causally like the tokens; a full segment has
+  T of them (the paper's "fixed size of T entries").
+- Shapes: H = 4 heads, in_h = n_heads * head_dim / H, out_h = dim / H, hidden = in_h (the
+  paper's "all three matrices d_h x d_h": 224 at Qwen2.5-0.5B). The "learned per-head gate"
+  that is "SiLU-gated" is one in_h x out_h matrix per head. With learned W_0, the affines and
+  the lr / beta projections that is 1.31M parameters per block: 6.4 % of Qwen2.5-0.5B over
+  24 blocks, the paper's overhead.
+- Segment-local RoPE applies to the segment's attention as well (tokens attend only inside
+  their segment, where relative offsets are unchanged); query tokens of a new segment get
+  positions from 0, the paper's [0, Q).
+- Init: lr = softplus(b_lr) = `base_lr` (0.1) for every token, beta = 0.5 (b_beta = 0),
+  W_0 columns N(0, 1/fan_in), the gate N(0, 1/in_h). Not the backbone at step 0: segment-local
+  attention and the memory tokens change the block at once (the paper trains from there).
+- Packed documents: attention is masked per document; the memory is not reset at document
+  boundaries (as MemoryLlama). A trailing partial segment is read, not written.
+
+Shapes: x (B, L, dim) -> (B, L, dim). `last_stats` holds the last forward's diagnostics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.grafts.lora import LoRAConfig
+from models.layers.attention import document_ids
+from models.memory.swiglu_memory import column_norms, segment_write, swiglu_forward
+
+MONE_LORA = LoRAConfig(rank=128, alpha=128.0, dropout=0.0, targets=("q", "k", "v"))  # appendix A.2
+
+
+@dataclass
+class MoNeConfig:
+    heads: int = 4  # H fast-weight heads (appendix A.2)
+    segment: int = 512  # T: tokens per memory write (appendix A.2)
+    hidden: int | None = None  # SwiGLU hidden width per head; None: in_h (d_h x d_h as printed)
+    base_lr: float = 0.1  # the per-token lr softplus(b_lr) at init
+    kernel_backend: str = "auto"  # kernels.memory_update backend
+
+    def __post_init__(self):
+        if self.heads < 1 or self.segment < 1 or self.base_lr <= 0:
+            raise ValueError(f"MoNe needs heads >= 1, segment >= 1 and base_lr > 0, got {self}")
+
+
+class MoNeCache(NamedTuple):
+    """A block's stream state: the current segment's normed inputs xn (B, n, dim), its keys,
+    values, memory keys and memory values (B, n_kv_heads, n, head_dim), and the fast weights
+    and momenta (B, H, ...) written by the segments before it."""
+
+    xn: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    memory_keys: torch.Tensor
+    memory_values: torch.Tensor
+    weights: tuple[torch.Tensor, ...]
+    momentum: tuple[torch.Tensor, ...]
+
+
+class MoNeBlock(nn.Module):
+    """A backbone decoder block (its attention_norm, attention, ffn_norm, feed_forward kept
+    under their names) whose attention also reads MoNe's memory tokens. The graft's own
+    weights are named `memory*`."""
+
+    def __init__(self, block: nn.Module, cfg: MoNeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.attention_norm, self.attention = block.attention_norm, block.attention
+        self.ffn_norm, self.feed_forward = block.ffn_norm, block.feed_forward
+        attn = block.attention.cfg
+        query_width = attn.n_heads * attn.head_dim
+        if query_width % cfg.heads or attn.dim % cfg.heads:
+            raise ValueError(f"MoNe heads {cfg.heads} must divide the query width {query_width} "
+                             f"(n_heads * head_dim) and dim {attn.dim}")
+        self.in_h, self.out_h = query_width // cfg.heads, attn.dim // cfg.heads
+        hidden = cfg.hidden or self.in_h
+        factory = dict(device=block.attention_norm.weight.device, dtype=block.attention_norm.weight.dtype)
+        shapes = [(self.in_h, hidden), (self.in_h, hidden), (hidden, self.out_h)]  # W_in, W_gate, W_out
+        self.memory_initial = nn.ParameterList(nn.Parameter(torch.empty(cfg.heads, *s, **factory)) for s in shapes)
+        self.memory_query_affine = nn.Parameter(torch.empty(2, query_width, **factory))  # a_q, b_q
+        self.memory_key_affine = nn.Parameter(torch.empty(2, query_width, **factory))  # a_k, b_k
+        self.memory_gate = nn.Parameter(torch.empty(cfg.heads, self.in_h, self.out_h, **factory))  # W_g
+        self.memory_lr = nn.Linear(attn.dim, cfg.heads, **factory)
+        self.memory_decay = nn.Linear(attn.dim, cfg.heads, **factory)
+        self.memory_norm = nn.RMSNorm(self.out_h, eps=1e-6, **factory)
+        self.last_stats: dict[str, torch.Tensor] = {}
+        self.reset_graft()
+
+    def graft_parameters(self) -> list[nn.Parameter]:
+        """What the graft adds (trains when the backbone is frozen)."""
+        return [p for name, p in self.named_parameters() if name.startswith("memory")]
+
+    def reset_graft(self) -> None:
+        """The init of the module docstring."""
+        with torch.no_grad():
+            for w in [*self.memory_initial, self.memory_gate]:
+                nn.init.normal_(w, std=w.shape[-2] ** -0.5)
+            for affine in (self.memory_query_affine, self.memory_key_affine):
+                affine[0].fill_(1.0)
+                affine[1].zero_()
+            for linear in (self.memory_lr, self.memory_decay):
+                nn.init.normal_(linear.weight, std=0.02)
+            nn.init.constant_(self.memory_lr.bias, math.log(math.expm1(self.cfg.base_lr)))  # softplus^-1
+            nn.init.zeros_(self.memory_decay.bias)
+            self.memory_norm.reset_parameters()
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, n, H * w) -> (B, H, n, w)."""
+        return t.unflatten(-1, (self.cfg.heads, -1)).transpose(1, 2)
+
+    @staticmethod
+    def _affine(t: torch.Tensor, affine: torch.Tensor) -> torch.Tensor:
+        """Attention heads t (B, n_heads, n, head_dim) -> (B, n, n_heads * head_dim) a + b."""
+        return t.transpose(1, 2).flatten(-2) * affine[0] + affine[1]
+
+    @staticmethod
+    def state_dtype(activation_dtype: torch.dtype) -> torch.dtype:
+        """Fast weights in float32 (float64 for float64 activations)."""
+        return torch.float64 if activation_dtype == torch.float64 else torch.float32
+
+    def empty_cache(self, batch: int, like: torch.Tensor) -> MoNeCache:
+        """A new stream for activations like `like` (B, L, dim): W_0, zero momentum, no tokens."""
+        dtype = self.state_dtype(like.dtype)
+        weights = tuple(w.to(dtype).expand(batch, *w.shape) for w in self.memory_initial)
+        attn = self.attention.cfg
+        empty = like.new_zeros(batch, attn.n_kv_heads, 0, attn.head_dim)
+        return MoNeCache(like.new_zeros(batch, 0, like.shape[-1]), empty, empty, empty, empty, weights,
+                         tuple(torch.zeros_like(w) for w in weights))
+
+    def _read(self, q_affine: torch.Tensor, weights) -> torch.Tensor:
+        """Memory tokens h (B, n, dim) of eq. 4 from the affine queries (B, n, query width)."""
+        heads = self._heads(q_affine)
+        read, _ = swiglu_forward(weights, F.normalize(F.silu(heads), dim=-1).to(weights[0].dtype))
+        h = self.memory_norm(read.to(q_affine.dtype)) * F.silu(heads @ self.memory_gate)
+        return h.transpose(1, 2).flatten(-2)
+
+    def _attend(self, q: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None) -> torch.Tensor:
+        """Eq. 5: q (B, n_heads, n, head_dim), the last n of the segment's tokens, over the
+        segment's keys and memory keys, causally (and per document) -> (B, n, dim)."""
+        n_q, n_k = q.shape[2], cache.keys.shape[2]
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+        if doc_positions is not None:
+            ids = document_ids(doc_positions)
+            allowed = allowed & (ids[:, n_k - n_q:, None] == ids[:, None, :])
+        mask = torch.cat([allowed, allowed], -1)
+        mask = mask[:, None] if doc_positions is not None else mask
+        keys = torch.cat([cache.keys, cache.memory_keys], 2)
+        values = torch.cat([cache.values, cache.memory_values], 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.attention.cfg.head_dim ** -0.5,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return self.attention.wo(out.transpose(1, 2).flatten(-2))
+
+    def _write(self, cache: MoNeCache) -> MoNeCache:
+        """Eq. 7-8 from a complete segment; returns the cache of an empty next segment."""
+        attn = self.attention.cfg
+        keys = cache.keys.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
+        dtype = cache.weights[0].dtype
+        k = F.normalize(F.silu(self._heads(self._affine(keys, self.memory_key_affine))), dim=-1)
+        v = F.silu(self._heads(cache.xn))
+        lr = F.softplus(self.memory_lr(cache.xn)).transpose(1, 2)
+        beta = torch.sigmoid(self.memory_decay(cache.xn.mean(1)))
+        targets = tuple(n.to(dtype) for n in column_norms(self.memory_initial))
+        weights, momentum = segment_write(cache.weights, cache.momentum, targets, k.to(dtype), v.to(dtype),
+                                          lr.to(dtype), beta.to(dtype), self.cfg.kernel_backend)
+        self.last_stats |= {"lr_mean": lr.detach().mean(), "beta_mean": beta.detach().mean()}
+        empty = cache.keys[:, :, :0]
+        return MoNeCache(cache.xn[:, :0], empty, empty, empty, empty, weights, momentum)
+
+    def _piece(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None):
+        """The next tokens x (B, n, dim) of the current segment (not past its end) -> (block
+        output, cache); the segment is written once complete."""
+        start = cache.xn.shape[1]
+        positions = torch.arange(start, start + x.shape[1], device=x.device).expand(x.shape[0], -1)
+        xn = self.attention_norm(x)
+        q, k, v = self.attention.project(xn, positions)
+        memory_k, memory_v = self.attention.project_kv(self._read(self._affine(q, self.memory_query_affine),
+                                                                  cache.weights), positions)
+        cache = cache._replace(xn=torch.cat([cache.xn, xn], 1), keys=torch.cat([cache.keys, k], 2),
+                               values=torch.cat([cache.values, v], 2),
+                               memory_keys=torch.cat([cache.memory_keys, memory_k], 2),
+                               memory_values=torch.cat([cache.memory_values, memory_v], 2))
+        x = x + self._attend(q, cache, doc_positions)
+        out = x + self.feed_forward(self.ffn_norm(x))
+        return out, self._write(cache) if cache.xn.shape[1] == self.cfg.segment else cache
+
+    def _run(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None):
+        """x (B, L, dim) in pieces that end at segment boundaries -> (output, cache).
+        doc_positions (B, L) only with a fresh cache (the pieces are then whole segments)."""
+        start_weights, outputs, start = cache.weights, [], 0
+        while start < x.shape[1]:
+            end = min(start + self.cfg.segment - cache.xn.shape[1], x.shape[1])
+            out, cache = self._piece(x[:, start:end], cache, None if doc_positions is None else doc_positions[:, start:end])
+            outputs.append(out)
+            start = end
+        with torch.no_grad():
+            change = torch.stack([(a - b).float().norm() for a, b in zip(cache.weights, start_weights)]).norm()
+            self.last_stats["update_ratio"] = change / torch.stack([w.float().norm() for w in start_weights]).norm()
+        return torch.cat(outputs, 1), cache
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
+        """x (B, L, dim); positions (unused: RoPE is segment-local); doc_positions (B, L) or
+        None for masking."""
+        return self._run(x, self.empty_cache(x.shape[0], x), doc_positions)[0]
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, cache: MoNeCache | None):
+        """The next tokens x (B, L, dim) of a stream (one document per row) -> (output, cache)."""
+        return self._run(x, cache or self.empty_cache(x.shape[0], x), None)
