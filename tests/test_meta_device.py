@@ -55,6 +55,12 @@ def memoryllama():
     return backbone(GraftConfig(kind="memoryllama", layers="all", memory={"chunk_size": 8}, lora={"rank": 2}))
 
 
+def mone():
+    # The paper's ratio: 4096-token training contexts / segments of 512 = 8; here 40 / 5, every block, LoRA on q, k, v.
+    return backbone(GraftConfig(kind="mone", layers="all", memory={"segment": 5},
+                                lora={"rank": 2, "targets": ("q", "k", "v")}))
+
+
 class TransformerPP(torch.nn.Module):
     """torchtitan's llama3 (the Transformer++ flavor `debug`, our CPU attention) called as
     the trainer calls it: one document per row. The document offsets come from data
@@ -75,8 +81,8 @@ class TransformerPP(torch.nn.Module):
 
 FAMILIES = {f"titans_{v}": (lambda v=v: titans(v)) for v in VARIANTS} | {
     "mela": mela, "mela_per_step_chain": lambda: mela(memory_chain="per_step"), "mlp_lm": mlp_lm,
-    "transformer": TransformerPP, "backbone": backbone, "memoryllama": memoryllama}
-STREAMING = {name for name in FAMILIES if name.startswith(("titans", "mela", "backbone", "memoryllama"))}
+    "transformer": TransformerPP, "backbone": backbone, "memoryllama": memoryllama, "mone": mone}
+STREAMING = {name for name in FAMILIES if name.startswith(("titans", "mela", "backbone", "memoryllama", "mone"))}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -103,6 +109,10 @@ def test_fast_weight_state_is_float32_under_a_bf16_model_on_meta():
         _, state = model.stream(torch.randint(0, VOCAB, (2, LENGTH)))
     memory = state.layers[0].memory
     assert {t.dtype for t in memory.weights + memory.momentum + memory.pending} == {torch.float32}
+    with torch.device("meta"):
+        _, state = mone().to(torch.bfloat16).stream(torch.randint(0, VOCAB, (2, LENGTH)))
+    cache = state.caches[0]
+    assert {t.dtype for t in cache.weights + cache.momentum} == {torch.float32} and cache.keys.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kernels import memory_update as kernel_memory_update
 from models.memory.neural_memory import silu_grad
 
-RENORM_EPS = 1e-6
+RENORM_FLOOR = 1e-12  # a zero column stays zero
 
 
 def swiglu_forward(weights, x: torch.Tensor):
@@ -55,7 +55,7 @@ def swiglu_grads(weights, saved, delta: torch.Tensor, token_weights: torch.Tenso
 
 def renormalize(weight: torch.Tensor, target_norms: torch.Tensor) -> torch.Tensor:
     """weight (..., in, out) with each column rescaled to target_norms (..., 1, out)."""
-    return weight * (target_norms / (weight.norm(dim=-2, keepdim=True) + RENORM_EPS))
+    return weight * (target_norms / weight.norm(dim=-2, keepdim=True).clamp_min(RENORM_FLOOR))
 
 
 def column_norms(weights) -> tuple[torch.Tensor, ...]:
