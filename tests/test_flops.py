@@ -33,6 +33,10 @@ CASES = {f"{spec_name}_{flavor}": (family.plain_class, family.config(flavor, **o
     "backbone_qwen3_debug_lora": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(kind="lora")), 128),
     "backbone_llama_debug_memoryllama": (DecoderLM, backbone.model_config("llama_debug", graft=GraftConfig(
         kind="memoryllama", layers="alma", lora=LoRAConfig(rank=4), lora_layers="all", memory={"chunk_size": 32})), 128),
+    "backbone_qwen3_debug_mone": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(
+        kind="mone", layers="1,3", lora=LoRAConfig(rank=4, targets=("q", "k", "v")), memory={"segment": 32})), 128),
+    "backbone_qwen3_debug_mone_partial": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(
+        kind="mone", layers="all", memory={"segment": 48})), 128),
     "mela_debug_per_step_chain": (Mela, mela.model_config("debug", memory_chain="per_step"), 256),
     "mela_debug_memory_path_off": (Mela, mela.model_config("debug", memory_path=False), 256),
 }

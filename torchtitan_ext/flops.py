@@ -96,7 +96,7 @@ def decoder_lm(cfg: DecoderLMConfig, seq_len: int) -> float:
     the read of m and the read of h), W_DP and W_g, its chunked attention attending over
     (seq_len + chunk) / 2 keys on average (what the chunk-by-chunk attention computes) in
     place of the block's seq_len; the last chunk's Newton-Schulz write runs forward only
-    (no later chunk reads it). A frozen backbone's matmuls count 2x their forward (the
+    (no later chunk reads it); a MoNe block's (`mone`). A frozen backbone's matmuls count 2x their forward (the
     activations' gradient is still taken, the weights' is not), trained ones 3x."""
     d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     block = 2 * linear(d, q) + 2 * linear(d, kv) + attention_span(q, seq_len) + 3 * linear(d, cfg.ffn_hidden)
@@ -120,8 +120,38 @@ def decoder_lm(cfg: DecoderLMConfig, seq_len: int) -> float:
             last_write = memory.n_heads * sum(newton_schulz(i, o, memory.newton_schulz_steps)
                                               for i, o in memory.layer_shapes())
             added -= grafted * (TRAIN - FORWARD_ONLY) / TRAIN * last_write / seq_len
+    if graft.kind == "mone":
+        backbone_extra, mone_added = mone(cfg, seq_len)
+        backbone += backbone_extra
+        added += mone_added
     frozen = graft.kind != "none" and graft.train == "graft"
     return (FORWARD_AND_INPUT_GRAD if frozen else TRAIN) * backbone + TRAIN * added
+
+
+def mone(cfg: DecoderLMConfig, seq_len: int) -> tuple[float, float]:
+    """What MoNe's blocks change per token: (backbone matmuls, graft matmuls). The backbone's
+    W_k, W_v project the memory tokens too, and each query attends over its segment's tokens
+    and memory tokens (2T keys) in place of seq_len. The graft reads M (SwiGLU) and the gate
+    per token, LoRA on W_k / W_v runs on the memory tokens too, and every full segment is
+    written (M forward on k, the explicit gradient's four products); the last segment's write
+    runs forward only when nothing reads it (seq_len a multiple of T)."""
+    graft = cfg.graft
+    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    heads, segment = graft.memory.heads, min(graft.memory.segment, seq_len)
+    in_h, out_h = q // heads, d // heads
+    hidden = graft.memory.hidden or in_h
+    swiglu = heads * (2 * linear(in_h, hidden) + linear(hidden, out_h))
+    read = swiglu + heads * linear(in_h, out_h) + linear(d, heads)
+    write = swiglu + heads * (2 * linear(hidden, out_h) + 2 * linear(in_h, hidden))
+    full = seq_len // segment
+    read_later = full if seq_len % segment else full - 1
+    write_per_token = write * segment * (read_later + (full - read_later) * FORWARD_ONLY / TRAIN) / seq_len
+    lora = graft.lora
+    lora_on_memory = 0.0 if lora is None else sum(linear(d, lora.rank) + linear(lora.rank, kv)
+                                                  for t in ("k", "v") if t in lora.targets)
+    grafted = len(graft_layers(graft.layers, cfg.n_layers))
+    backbone = grafted * (2 * linear(d, kv) + attention_span(q, 2 * segment) - attention_span(q, seq_len))
+    return backbone, grafted * (read + write_per_token + lora_on_memory)
 
 
 def mela(cfg: MelaConfig, seq_len: int) -> float:

@@ -12,6 +12,7 @@ from torchtitan.trainer import Trainer
 
 from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
+from models.grafts.mone import MONE_LORA
 from torchtitan_ext.backbone import FAMILY
 from torchtitan_ext.paths import REPO_ROOT
 from torchtitan_ext.task_data import TaskDataLoader
@@ -135,3 +136,57 @@ def memoryllama_alma_debug_tasks() -> Trainer.Config:
     config.validator = dataclasses.replace(config.validator, dataloader=TaskDataLoader.Config(
         validation=True, infinite=False, samples=16))
     return config
+
+
+# MoNe (paper 004): its memory in every block, LoRA r128 / alpha 128 on W_q, W_k, W_v, the
+# backbone frozen, loss on answer tokens of the synthetic tasks (appendix A.1-A.2).
+MONE_TASKS = "s_niah,mk_niah,fwe"  # the paper's RULER tasks
+MONE_SAMPLES = 7 * 30000  # 30K samples for each of 2..8 segments: one epoch
+
+
+def _mone_tasks(config: Trainer.Config, name: str) -> Trainer.Config:
+    """Train and validate on the synthetic tasks (torchtitan_ext/task_data.py): one sample
+    per row filling seq_len, the loss on the answer only. The paper's query phase starts a
+    new segment; here the question follows the context inside a row wherever it ends (the
+    tasks' lengths are not segment multiples), so the question's segment also holds the
+    context's last tokens."""
+    config.dump_folder = f"./outputs/{name}"
+    config.dataloader = TaskDataLoader.Config(tasks=MONE_TASKS)
+    config.validator = dataclasses.replace(config.validator, dataloader=TaskDataLoader.Config(
+        tasks=MONE_TASKS, validation=True, infinite=False, samples=16))
+    return config
+
+
+def mone_llama3_2_1b() -> Trainer.Config:
+    """MoNe's recipe (appendix A.2) on Llama-3.2-1B from its Hugging Face folder: segments of
+    512, 4096-token task samples (8 segments; the paper draws 1K-4K), 16 per step, AdamW
+    (0.9, 0.95) wd 0.1, lr 1e-3 for the memory and 5e-5 for LoRA, 200 warmup steps, cosine to
+    1e-5, clip 1.0, bf16, one epoch of 210K samples. The paper's backbone, Qwen2.5-0.5B-Instruct,
+    has attention biases this backbone does not load; Llama-3.2-1B's query width equals its
+    dim (2048) as Qwen2.5's does (896), so d_h = 512 here against the paper's 224."""
+    graft = GraftConfig(kind="mone", layers="all", memory={"segment": 512}, lora=MONE_LORA)
+    config = paper_recipe(FAMILY.model_spec("llama3_2_1b", graft=graft), name="mone_llama3_2_1b", local_batch_size=4)
+    config.training = dataclasses.replace(config.training, seq_len=4096, global_batch_size=16,
+                                          steps=MONE_SAMPLES // 16)
+    config.hf_assets_path = LLAMA3_2_1B
+    config.checkpoint = dataclasses.replace(config.checkpoint, initial_load_path=LLAMA3_2_1B, initial_load_in_hf=True)
+    config.optimizer = grouped_adamw([(LORA_PARAMETERS, 5e-5), (".*", 1e-3)])
+    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_factor=0.01)
+    return _mone_tasks(config, "mone_llama3_2_1b")
+
+
+def mone_debug() -> Trainer.Config:
+    """MoNe on backbone_qwen3_debug: every block, segments of 32 (the paper's 8 segments per
+    training context at seq_len 256), LoRA r8 / alpha 8 on W_q, W_k, W_v at lr 5e-4, the
+    memory at 1e-2 (the paper's 20:1), embedded corpus; start it from a Hugging Face folder
+    with --checkpoint.initial_load_in_hf."""
+    graft = GraftConfig(kind="mone", layers="all", memory={"segment": 32},
+                        lora=dataclasses.replace(MONE_LORA, rank=8, alpha=8.0))
+    config = debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="mone_debug")
+    config.optimizer = grouped_adamw([(LORA_PARAMETERS, 5e-4), (".*", 1e-2)])
+    return config
+
+
+def mone_debug_tasks() -> Trainer.Config:
+    """mone_debug on the paper's synthetic tasks (S-NIAH, MK-NIAH, FWE), loss on the answers."""
+    return _mone_tasks(mone_debug(), "mone_debug_tasks")
