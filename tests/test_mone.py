@@ -221,3 +221,124 @@ def test_bad_configs_name_the_problem():
         tiny(heads=3)
     with pytest.raises(ValueError, match="MoNe needs heads >= 1, segment >= 1"):
         tiny(segment=0)
+
+
+@pytest.mark.slow
+def test_the_compiled_block_equals_eager():
+    """torch.compile of one block (what torchtitan's per-block compile does): a written
+    segment and a partial one, outputs and every gradient within 1e-5 of eager (float32)."""
+    model = awaken(tiny(segment=8)).float()
+    block = model.layers["1"]
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    results = []
+    for run in (block, torch.compile(block)):
+        out = run(x, None, None)
+        grads = torch.autograd.grad(out.square().mean(), [x, *block.graft_parameters()])
+        results.append((out, grads))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-5)
+    for compiled, eager in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+MONE = ["--module", "train_configs.backbone", "--config", "mone_debug"]
+FROM_HF = ["--checkpoint.initial_load_in_hf", "--validator.no-enable", "--debug.seed", "0"]
+
+
+def unwritten_logits(model: DecoderLM, x: torch.Tensor) -> torch.Tensor:
+    """Logits of a copy whose memories are never written (lr = softplus(-800) = 0)."""
+    import copy
+
+    ablated = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in ablated.layers.values():
+            block.memory_lr.bias.fill_(-800.0)
+        return ablated(x)
+
+
+@pytest.mark.slow
+def test_a_finetune_from_hugging_face_keeps_the_backbone_uses_the_memory_and_exports(tmp_path):
+    """Through scripts/train.sh from a random tiny Qwen3 folder: 20 steps lower the loss;
+    every backbone tensor of the step-20 checkpoint is the Hugging Face file's bit for bit;
+    the optimizer holds only graft tensors; a memory never written changes the trained
+    model's predictions after the first segment (never inside it); the remote-code export
+    reloads without the project with the same logits."""
+    from conftest import train
+    from test_backbone import qwen3_debug_checkpoint
+    from test_hf import load_without_project, run_script
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from torchtitan_ext.backbone import load_hf_backbone
+    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+
+    qwen3_debug_checkpoint(tmp_path / "hf")
+    run = train(MONE + FROM_HF + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "20",
+                                  "--checkpoint.interval", "20", "--dump_folder", str(tmp_path / "run")])
+    assert run.returncode == 0, run
+    assert run.losses[20] < run.losses[1] - 0.1
+    summaries = [line for line in run.output.splitlines() if " - memory: " in line]
+    assert summaries and all(f"{name}: " in summaries[-1] for name in ("lr_mean", "beta_mean", "update_ratio"))
+
+    step = tmp_path / "run" / "checkpoint" / "step-20"
+    model, _ = build_model("train_configs.backbone", "mone_debug")
+    load_dcp_model(model, step)
+    state, hf_state = model.state_dict(), load_hf_backbone(tmp_path / "hf").state_dict()
+    assert all(torch.equal(state[key], value) for key, value in hf_state.items())  # frozen means frozen
+    stored = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    optimized = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in stored if k.startswith("optimizer.state.")}
+    assert optimized == {k for k, p in model.named_parameters() if p.requires_grad}
+    assert all(".lora_" in k or ".memory" in k for k in optimized)
+
+    x = torch.randint(0, 4096, (2, 256), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(x)
+    change = (unwritten_logits(model, x) - logits).abs()
+    assert change[:, :32].max() == 0 and change[:, 32:].max() > 1e-3  # the memory memorises, causally
+
+    assert run_script("convert_to_hf.py", *MONE, "--checkpoint", step, "--out", tmp_path / "merged",
+                      "--merge-lora") == 2  # a memory graft has no plain transformers form
+    assert not (tmp_path / "merged").exists()
+    assert run_script("convert_to_hf.py", *MONE, "--checkpoint", step, "--out", tmp_path / "export") == 0
+    torch.save(x[:, :80], tmp_path / "x.pt")
+    hf = load_without_project(tmp_path / "export", tmp_path / "x.pt", tmp_path)
+    assert (hf["logits"] - logits[:, :80]).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_two_processes_full_ac_and_a_resume_agree_from_one_seed(tmp_path):
+    """From one seed checkpoint, 10 steps: 2 processes within 1e-3 of one, full activation
+    checkpointing within 1e-4; a run resumed from step 5 repeats steps 6-10 bit for bit;
+    the backbone unchanged, every graft tensor changed."""
+    import shutil
+
+    from conftest import train
+    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+
+    short = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
+             "--training.global_batch_size", "4", "--checkpoint.interval", "5"]
+    one, two, full, resumed = (tmp_path / name for name in ("one", "two", "full", "resumed"))
+    seed = train(MONE + short + ["--dump_folder", str(one), "--checkpoint.create-seed-checkpoint"])
+    assert seed.returncode == 0, seed
+    for folder in (two, full):
+        shutil.copytree(one, folder)
+    single = train(MONE + short + ["--dump_folder", str(one)])
+    double = train(MONE + short + ["--dump_folder", str(two)], nproc=2)
+    recomputed = train(MONE + short + ["--dump_folder", str(full), "activation-checkpoint:full"])
+    assert all(r.returncode == 0 for r in (single, double, recomputed)), (single, double, recomputed)
+    assert max(abs(single.losses[s] - double.losses[s]) / single.losses[s] for s in single.losses) < 1e-3
+    assert max(abs(single.losses[s] - recomputed.losses[s]) / single.losses[s] for s in single.losses) < 1e-4
+
+    shutil.copytree(one, resumed)
+    shutil.rmtree(resumed / "checkpoint" / "step-10")
+    again = train(MONE + short + ["--dump_folder", str(resumed)])
+    assert again.returncode == 0 and sorted(again.losses) == list(range(6, 11)), again
+    assert all(again.losses[s] == single.losses[s] for s in again.losses)
+
+    seeded, _ = build_model("train_configs.backbone", "mone_debug")
+    load_dcp_model(seeded, one / "checkpoint" / "step-0")
+    for folder in (one, two):
+        trained, _ = build_model("train_configs.backbone", "mone_debug")
+        load_dcp_model(trained, folder / "checkpoint" / "step-10")
+        start, end = seeded.state_dict(), trained.state_dict()
+        frozen = {k for k, p in trained.named_parameters() if not p.requires_grad}
+        assert frozen and all(torch.equal(start[k], end[k]) for k in frozen)
+        assert all(not torch.equal(start[k], end[k]) for k, p in trained.named_parameters() if p.requires_grad)

@@ -186,8 +186,9 @@ class MoNeBlock(nn.Module):
                                              enable_gqa=q.shape[1] != keys.shape[1])
         return self.attention.wo(out.transpose(1, 2).flatten(-2))
 
-    def _write(self, cache: MoNeCache) -> MoNeCache:
-        """Eq. 7-8 from a complete segment; returns the cache of an empty next segment."""
+    def _write(self, cache: MoNeCache) -> tuple[MoNeCache, dict[str, torch.Tensor]]:
+        """Eq. 7-8 from a complete segment -> (the cache of an empty next segment, the
+        segment's mean lr and beta, detached)."""
         attn = self.attention.cfg
         keys = cache.keys.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
         dtype = cache.weights[0].dtype
@@ -198,13 +199,13 @@ class MoNeBlock(nn.Module):
         targets = tuple(n.to(dtype) for n in column_norms(self.memory_initial))
         weights, momentum = segment_write(cache.weights, cache.momentum, targets, k.to(dtype), v.to(dtype),
                                           lr.to(dtype), beta.to(dtype), self.cfg.kernel_backend)
-        self.last_stats |= {"lr_mean": lr.detach().mean(), "beta_mean": beta.detach().mean()}
         empty = cache.keys[:, :, :0]
-        return MoNeCache(cache.xn[:, :0], empty, empty, empty, empty, weights, momentum)
+        stats = {"lr_mean": lr.detach().mean(), "beta_mean": beta.detach().mean()}
+        return MoNeCache(cache.xn[:, :0], empty, empty, empty, empty, weights, momentum), stats
 
     def _piece(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None):
         """The next tokens x (B, n, dim) of the current segment (not past its end) -> (block
-        output, cache); the segment is written once complete."""
+        output, cache, the write's statistics or {}); the segment is written once complete."""
         start = cache.xn.shape[1]
         positions = torch.arange(start, start + x.shape[1], device=x.device).expand(x.shape[0], -1)
         xn = self.attention_norm(x)
@@ -217,20 +218,23 @@ class MoNeBlock(nn.Module):
                                memory_values=torch.cat([cache.memory_values, memory_v], 2))
         x = x + self._attend(q, cache, doc_positions)
         out = x + self.feed_forward(self.ffn_norm(x))
-        return out, self._write(cache) if cache.xn.shape[1] == self.cfg.segment else cache
+        return (out, *self._write(cache)) if cache.xn.shape[1] == self.cfg.segment else (out, cache, {})
 
     def _run(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None):
         """x (B, L, dim) in pieces that end at segment boundaries -> (output, cache).
         doc_positions (B, L) only with a fresh cache (the pieces are then whole segments)."""
-        start_weights, outputs, start = cache.weights, [], 0
+        start_weights, outputs, stats, start = cache.weights, [], {}, 0
         while start < x.shape[1]:
             end = min(start + self.cfg.segment - cache.xn.shape[1], x.shape[1])
-            out, cache = self._piece(x[:, start:end], cache, None if doc_positions is None else doc_positions[:, start:end])
+            out, cache, written = self._piece(x[:, start:end], cache,
+                                              None if doc_positions is None else doc_positions[:, start:end])
             outputs.append(out)
+            stats |= written
             start = end
         with torch.no_grad():
             change = torch.stack([(a - b).float().norm() for a, b in zip(cache.weights, start_weights)]).norm()
-            self.last_stats["update_ratio"] = change / torch.stack([w.float().norm() for w in start_weights]).norm()
+            stats["update_ratio"] = change / torch.stack([w.float().norm() for w in start_weights]).norm()
+        self.last_stats = stats  # the last segment's lr and beta, the whole call's update ratio
         return torch.cat(outputs, 1), cache
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
