@@ -28,6 +28,7 @@ FAMILIES = {
     "mela": "train_configs.mela:mela_debug",
     "backbone": "train_configs.backbone:backbone_qwen3_debug",  # a standard Qwen3ForCausalLM
     "memoryllama": "train_configs.backbone:memoryllama_alma_debug",  # a grafted backbone: remote code
+    "mone": "train_configs.backbone:mone_debug",
 }
 EXPORTED_CLASS = {"transformer": "LlamaForCausalLM", "backbone": "Qwen3ForCausalLM"}  # others: remote code
 # Text the export's tokenizer must encode as training does (not starting with whitespace:
