@@ -9,9 +9,12 @@ kv_retrieval, s_niah, mk_niah, fwe (`torchtitan_ext/synthetic_tasks.py`, which a
 finetuning: `torchtitan_ext/task_data.py`).
 
 The model answers by greedy decoding (`--answer-tokens`), reading the context in the chosen
-mode (full, or streaming for memory models; see eval_long_ppl.py). Writes results.json,
-results.md and tasks_vs_context.png (one panel per task, one line per model) to --out,
-staged and moved into place at the end; bad input: one line, exit code 2.
+mode (full, or streaming for memory models; see eval_long_ppl.py). Beside the score, the
+answer's perplexity: exp of the mean NLL of the answer and EOS tokens (the tokens a task
+finetune is trained on, torchtitan_ext/task_data.py) given the prompt, with a 95% bootstrap
+interval over samples; small models that never answer right still differ there. Writes
+results.json, results.md and tasks_vs_context.png (one panel per task, one line per model)
+to --out, staged and moved into place at the end; bad input: one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-
-from eval_long_ppl import entry_logits, load_entry, per_checkpoint
+from eval_long_ppl import bootstrap, entry_logits, load_entry, per_checkpoint
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.paths import staged_folder
 from torchtitan_ext.synthetic_tasks import fit_sample, score, TASKS
+from torchtitan_ext.task_data import MAX_ANSWER_TOKENS, with_answer
 
 def answer(entry, ids: list[int], new_tokens: int) -> list[int]:
     """Greedy continuation of ids, each step reading the whole sequence in the entry's mode."""
@@ -38,6 +42,14 @@ def answer(entry, ids: list[int], new_tokens: int) -> list[int]:
         for _ in range(new_tokens):
             seq = torch.cat([seq, entry_logits(entry, seq)[:, -1:].argmax(-1)], 1)
     return seq[0, len(ids):].tolist()
+
+
+def answer_nll(entry, full: list[int], start: int) -> float:
+    """Mean NLL of full[start:] (the answer and EOS) given the tokens before each."""
+    tokens = torch.tensor([full])
+    with torch.no_grad():
+        logits = entry_logits(entry, tokens[:, :-1])
+    return F.cross_entropy(logits[0, start - 1:].float(), tokens[0, start:]).item()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -61,20 +73,23 @@ def run(args: argparse.Namespace) -> dict:
     runs = []
     for entry, _ in loaded:
         for length in lengths:
-            if length + args.answer_tokens > entry.max_seq_len and entry.mode == "full":
+            if length + max(args.answer_tokens, MAX_ANSWER_TOKENS) > entry.max_seq_len and entry.mode == "full":
                 raise UserError(f"{entry.label} takes at most {entry.max_seq_len} tokens in one pass: use shorter "
                                 "--context-lengths or --mode streaming")
-        scores = {}
+        scores, answer_ppl = {}, {}
         for task in tasks:
             for length in lengths:
                 rng = random.Random(f"{args.seed}-{task}-{length}")
-                results = []
+                results, nlls = [], []
                 for _ in tqdm(range(args.samples), desc=f"{entry.label} {task} @ {length}", file=sys.stderr):
                     ids, sample = fit_sample(task, rng, tokenizer, length)
                     output = tokenizer.decode(answer(entry, ids, args.answer_tokens))
                     results.append(score(task, output, sample.answers))
+                    nlls.append(answer_nll(entry, *with_answer(task, sample, ids, tokenizer)))
                 scores.setdefault(task, {})[str(length)] = sum(results) / len(results)
-        runs.append({"label": entry.label, "mode": entry.mode, "scores": scores})
+                mean = torch.tensor(nlls, dtype=torch.float64)
+                answer_ppl.setdefault(task, {})[str(length)] = [mean.mean().exp().item(), *bootstrap(mean)]
+        runs.append({"label": entry.label, "mode": entry.mode, "scores": scores, "answer_ppl": answer_ppl})
     return {"tasks": tasks, "context_lengths": lengths, "samples": args.samples, "runs": runs}
 
 
@@ -88,6 +103,14 @@ def markdown(results: dict) -> str:
         for task, by_length in run["scores"].items():
             lines.append(f"| {run['label']} | {run['mode']} | {task} | "
                          + " | ".join(f"{by_length[str(n)]:.2f}" for n in lengths) + " |")
+    lines += ["", "Answer perplexity (answer and EOS tokens given the prompt; 95% bootstrap interval over samples):",
+              "", "| model | mode | task | " + " | ".join(map(str, lengths)) + " |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in lengths) + " |"]
+    for run in results["runs"]:
+        for task, by_length in run["answer_ppl"].items():
+            cells = (by_length[str(n)] for n in lengths)
+            lines.append(f"| {run['label']} | {run['mode']} | {task} | "
+                         + " | ".join(f"{ppl:.2f} ({low:.2f}-{high:.2f})" for ppl, low, high in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,16 +6,24 @@
 #      MemoryLlama ALMA + LoRA (memoryllama_alma_debug), and the control with the same LoRA
 #      and no memory (backbone_qwen3_debug_lora);
 #   3. evaluate the ungrafted backbone and both finetunes (scripts/eval_long_ppl.py) on the
-#      held-out documents at the training context (256) and 2x it, with intervals.
-# Environment: PRETRAIN_STEPS [400], FINETUNE_STEPS [100], FINETUNE_LR [2e-3, for both finetunes],
-# OUT [outputs/graft_demo/<time>], SKIP_SETUP=1. Results: $OUT/eval/results.md (and .json,
-# .png), the logs beside them; docs/benchmarks.md has a run's figures and what they show.
+#      held-out documents at the training context (256) and 2x it, with intervals;
+#   4. MoNe as its paper trains it: from the same folder, on the synthetic tasks (S-NIAH,
+#      MK-NIAH, FWE; loss on the answers), MoNe + LoRA on W_q, W_k, W_v (mone_debug_tasks)
+#      and the control with the same LoRA and no memory (mone_control_debug_tasks);
+#   5. evaluate both and the ungrafted backbone on the tasks (scripts/eval_tasks.py) at the
+#      training length (256) and 2x, 4x it: score and answer perplexity with intervals.
+# Environment: PRETRAIN_STEPS [400], FINETUNE_STEPS [100], FINETUNE_LR [2e-3, for the first two
+# finetunes], TASK_STEPS [200], TASK_SAMPLES [24 per task and length], OUT
+# [outputs/graft_demo/<time>], SKIP_SETUP=1. Results: $OUT/eval/results.md and
+# $OUT/eval_tasks/results.md (and .json, .png), the logs beside them; docs/benchmarks.md has a
+# run's figures and what they show.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
 PY=.venv/bin/python
 $PY scripts/build_tokenizer.py
 pretrain=${PRETRAIN_STEPS:-400} finetune=${FINETUNE_STEPS:-100} finetune_lr=${FINETUNE_LR:-2e-3}
+task_steps=${TASK_STEPS:-200} task_samples=${TASK_SAMPLES:-24}
 run=${OUT:-outputs/graft_demo/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$run"
 run=$(cd "$run" && pwd)  # torchtitan takes absolute checkpoint paths
@@ -51,5 +59,20 @@ $PY scripts/eval_long_ppl.py --dataset embedded --context-lengths 256,512 --max-
   --label memoryllama_alma \
   --out "$run/eval" 2> "$run/eval.log"
 for name in memory lora_only; do
+  $PY scripts/summarize_run.py "$name" "$run/$name.log" "$run/$name"
+done
+
+tasks_from_hf=(--checkpoint.initial_load_in_hf --checkpoint.initial_load_path "$run/backbone_hf"
+               --training.steps "$task_steps" --checkpoint.interval "$task_steps")
+train mone mone_debug_tasks "${tasks_from_hf[@]}"
+train mone_control mone_control_debug_tasks "${tasks_from_hf[@]}"
+echo "graft_demo: evaluating on the tasks (log: $run/eval_tasks.log)"
+$PY scripts/eval_tasks.py --tasks s_niah,mk_niah,fwe --context-lengths 256,512,1024 --samples "$task_samples" \
+  --checkpoint "$run/backbone_hf" --config train_configs.backbone:backbone_qwen3_debug --label backbone \
+  --checkpoint "$run/mone_control/checkpoint/step-$task_steps" --config train_configs.backbone:mone_control_debug_tasks \
+  --label lora_only \
+  --checkpoint "$run/mone/checkpoint/step-$task_steps" --config train_configs.backbone:mone_debug_tasks --label mone \
+  --out "$run/eval_tasks" 2> "$run/eval_tasks.log"
+for name in mone mone_control; do
   $PY scripts/summarize_run.py "$name" "$run/$name.log" "$run/$name"
 done

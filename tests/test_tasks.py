@@ -74,9 +74,27 @@ def test_cli_writes_results_for_several_checkpoints_and_rejects_unknown_tasks(to
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["mode"] for r in results["runs"]] == ["streaming", "full"]
     assert all(0 <= v <= 1 for r in results["runs"] for t in r["scores"].values() for v in t.values())
+    intervals = [v for r in results["runs"] for t in r["answer_ppl"].values() for v in t.values()]
+    assert intervals and all(1 < low <= ppl <= high for ppl, low, high in intervals)
     assert set(results["runs"][0]["scores"]) == set(synthetic_tasks.TASKS)
     assert (tmp_path / "out" / "tasks_vs_context.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit) as stop:
         eval_tasks.main(args + common + ["--tasks", "passkey", "--out", str(tmp_path / "bad")])
     assert stop.value.code == 2 and "unknown task(s) ['passkey']" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_answer_nll_counts_the_answer_and_eos_tokens_only(monkeypatch):
+    """Logits sure of every answer token and wrong everywhere before: NLL 0 from the first
+    answer token on; counting one prompt token more makes it large."""
+    full, start = [1, 5, 6, 7, 8, 2], 4  # BOS, prompt 5 6 7, answer 8, EOS 2
+
+    def confident_on_the_answer(entry, tokens):
+        logits = torch.zeros(1, tokens.shape[1], 16)
+        for i in range(tokens.shape[1]):
+            logits[0, i, full[i + 1]] = 50.0 if i >= start - 1 else -50.0
+        return logits
+
+    monkeypatch.setattr(eval_tasks, "entry_logits", confident_on_the_answer)
+    assert eval_tasks.answer_nll(None, full, start) < 1e-6
+    assert eval_tasks.answer_nll(None, full, start - 1) > 10

@@ -37,13 +37,18 @@ def answer_text(task: str, answers: list[str]) -> str:
     return ANSWER_PREFIX[task] + " ".join(answers)
 
 
-def encode_sample(task: str, rng: random.Random, tokenizer, length: int) -> tuple[list[int], int]:
+def with_answer(task: str, sample, prompt: list[int], tokenizer) -> tuple[list[int], int]:
     """(ids of BOS + context + query + answer + EOS, index of the first answer token) of a
-    sample of at most `length` tokens."""
-    prompt, sample = fit_sample(task, rng, tokenizer, length - MAX_ANSWER_TOKENS)
+    sample whose prompt (BOS + context + query) encodes as `prompt` (module docstring)."""
     full = tokenizer.encode(sample.context + sample.query + answer_text(task, sample.answers), add_bos=True,
                             add_eos=True)
-    start = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+    return full, next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+
+
+def encode_sample(task: str, rng: random.Random, tokenizer, length: int) -> tuple[list[int], int]:
+    """`with_answer` of a sample of at most `length` tokens."""
+    prompt, sample = fit_sample(task, rng, tokenizer, length - MAX_ANSWER_TOKENS)
+    full, start = with_answer(task, sample, prompt, tokenizer)
     if len(full) > length:
         raise UserError(f"a {task} answer does not fit in {length} tokens: use a longer --training.seq_len")
     return full, start

@@ -190,3 +190,11 @@ def mone_debug() -> Trainer.Config:
 def mone_debug_tasks() -> Trainer.Config:
     """mone_debug on the paper's synthetic tasks (S-NIAH, MK-NIAH, FWE), loss on the answers."""
     return _mone_tasks(mone_debug(), "mone_debug_tasks")
+
+
+def mone_control_debug_tasks() -> Trainer.Config:
+    """The control of mone_debug_tasks: the same LoRA (r8 / alpha 8 on W_q, W_k, W_v of every
+    block, lr 5e-4) on the same task data, no memory, the backbone's full attention."""
+    graft = GraftConfig(kind="lora", layers="all", lora=dataclasses.replace(MONE_LORA, rank=8, alpha=8.0))
+    config = debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="mone_control_debug_tasks", lr=5e-4)
+    return _mone_tasks(config, "mone_control_debug_tasks")
