@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from models.lms.mela import Mela
 from models.backbones.decoder_lm import DecoderLM
@@ -42,19 +42,11 @@ CASES = {f"{spec_name}_{flavor}": (family.plain_class, family.config(flavor, **o
 }
 
 
-CPU_FLASH_ATTENTION = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
-}
-
-
 def measured_flops_per_token(model_cls, config, seq_len: int) -> float:
     torch.manual_seed(0)
     model = model_cls(config)
     tokens = torch.randint(0, config.vocab_size, (1, seq_len))
-    with FlopCounterMode(display=False, custom_mapping=CPU_FLASH_ATTENTION) as counter:
+    with FlopCounterMode(display=False, custom_mapping=flops.CPU_ATTENTION_FLOPS) as counter:
         model(tokens).logsumexp(-1).mean().backward()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     conv = counts.pop("aten.convolution", 0)

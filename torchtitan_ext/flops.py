@@ -16,6 +16,9 @@ tests/test_flops.py checks each count against torch's FlopCounterMode over a tra
 
 from __future__ import annotations
 
+import torch
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
 from models.backbones.decoder_lm import DecoderLMConfig
 from models.grafts.graft import graft_layers
 from models.grafts.memory_llama import memory_config
@@ -25,6 +28,13 @@ from models.memory.neural_memory import NeuralMemoryConfig
 from models.lms.titans import TitansConfig
 
 TRAIN, FORWARD_AND_INPUT_GRAD, FORWARD_ONLY = 3, 2, 1
+# FlopCounterMode's `custom_mapping` for the CPU attention kernel, which it does not count by itself.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
+}
 
 
 def linear(d_in: int, d_out: int) -> float:
