@@ -82,3 +82,21 @@ def test_a_finetune_on_the_tasks_trains_and_validates_through_torchtitan(tokeniz
     assert run.returncode == 0, run
     assert run.losses[6] < run.losses[1]  # the answers' loss (about ln 4096 at the start) falls
     assert run.output.count("validate step:") >= 2  # the held-out answers are scored
+
+
+def test_sample_lengths_drawn_from_a_list_pad_to_the_sequence(tokenizer):
+    """MoNe's 2..8 segments at a tiny scale: every sample fits its drawn length, each length
+    occurs, the rest is padding without labels; a length past seq_len is refused."""
+    lengths = (192, 224, SEQ_LEN)
+    data = TaskDataset(list(TASKS), tokenizer, SEQ_LEN, seed=0, validation=False, infinite=True, samples=8,
+                       dp_rank=0, dp_world_size=1, lengths=lengths)
+    used = []
+    for _, (inputs, labels) in zip(range(24), data):
+        assert inputs["input"].shape == labels.shape == (SEQ_LEN,)
+        last = int((labels != IGNORE_INDEX).nonzero()[-1])  # the EOS label: the sample's last token
+        used.append(min(n for n in lengths if n >= last + 1))
+        assert (inputs["input"][last + 1:] == tokenizer.eos_id).all()
+    assert set(used) == set(lengths)
+    with pytest.raises(UserError, match=r"task sample lengths \[300\] must lie in"):
+        TaskDataset(list(TASKS), tokenizer, SEQ_LEN, seed=0, validation=False, infinite=True, samples=8,
+                    dp_rank=0, dp_world_size=1, lengths=(300,))

@@ -2,7 +2,9 @@
 generators `scripts/eval_tasks.py` scores, as a torchtitan dataloader.
 
 Each sequence is one sample: BOS, context and query (as long as fits, found the way
-eval_tasks.py finds it), the answer text, EOS, then padding to `seq_len + 1` tokens. Labels
+eval_tasks.py finds it), the answer text, EOS, then padding to `seq_len + 1` tokens. A
+sample fills the sequence, or with `lengths` (e.g. MoNe's 2 to 8 segments of 512 tokens,
+"1024,1536,...,4096") takes a length drawn per sample from that list. Labels
 are the next tokens on the answer and EOS only (IGNORE_INDEX elsewhere), so the loss is the
 answer's (MoNe's "loss on answer tokens only"); one document per row (positions 0..L-1).
 The answer is what eval_tasks.py scores: kv_retrieval the value, niah " " + the value, fwe
@@ -58,10 +60,14 @@ class TaskDataset(IterableDataset, Stateful):
     """Yields ({"input": (L,), "positions": (L,)}, labels (L,)) with L = seq_len (module docstring)."""
 
     def __init__(self, tasks: list[str], tokenizer, seq_len: int, seed: int, validation: bool, infinite: bool,
-                 samples: int, dp_rank: int, dp_world_size: int):
+                 samples: int, dp_rank: int, dp_world_size: int, lengths: tuple[int, ...] = ()):
         unknown = [t for t in tasks if t not in TASKS]
         if unknown or not tasks:
             raise UserError(f"unknown task(s) {unknown}: choose from {list(TASKS)} (comma-separated)")
+        if any(not MAX_ANSWER_TOKENS < n <= seq_len for n in lengths):
+            raise UserError(f"task sample lengths {list(lengths)} must lie in {MAX_ANSWER_TOKENS + 1}..{seq_len} "
+                            "(seq_len): shorten them or raise --training.seq_len")
+        self.lengths = lengths
         self.tasks, self.tokenizer, self.seq_len = tasks, tokenizer, seq_len
         self.split = f"{seed}-{'validation' if validation else 'train'}"
         self.infinite, self.samples = infinite, samples
@@ -70,7 +76,9 @@ class TaskDataset(IterableDataset, Stateful):
 
     def sample(self, index: int):
         task = self.tasks[index % len(self.tasks)]
-        ids, start = encode_sample(task, random.Random(f"{self.split}-{index}"), self.tokenizer, self.seq_len + 1)
+        rng = random.Random(f"{self.split}-{index}")
+        length = rng.choice(self.lengths) if self.lengths else self.seq_len
+        ids, start = encode_sample(task, rng, self.tokenizer, length + 1)  # + 1: inputs and labels are shifted
         pad = self.seq_len + 1 - len(ids)
         tokens = torch.tensor(ids + [self.tokenizer.eos_id] * pad)
         labels = tokens[1:].clone()
@@ -97,14 +105,16 @@ class TaskDataLoader(ParallelAwareDataloader):
     @dataclass(kw_only=True, slots=True)
     class Config(HuggingFaceTextDataLoader.Config):
         tasks: str = ",".join(TASKS)
+        lengths: str = ""  # comma-separated sample lengths (input tokens), one drawn per sample; "": seq_len
         seed: int = 0
         validation: bool = False
         samples: int = 64  # per epoch when not infinite (validation)
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
+        lengths = tuple(int(n) for n in config.lengths.split(",") if n)
         dataset = TaskDataset(config.tasks.split(","), tokenizer, seq_len, config.seed, config.validation,
-                              config.infinite, config.samples, dp_rank, dp_world_size)
+                              config.infinite, config.samples, dp_rank, dp_world_size, lengths)
         super().__init__(
             dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
             num_workers=config.num_workers, persistent_workers=config.persistent_workers,

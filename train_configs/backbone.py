@@ -144,14 +144,14 @@ MONE_TASKS = "s_niah,mk_niah,fwe"  # the paper's RULER tasks
 MONE_SAMPLES = 7 * 30000  # 30K samples for each of 2..8 segments: one epoch
 
 
-def _mone_tasks(config: Trainer.Config, name: str) -> Trainer.Config:
+def _mone_tasks(config: Trainer.Config, name: str, lengths: str) -> Trainer.Config:
     """Train and validate on the synthetic tasks (torchtitan_ext/task_data.py): one sample
-    per row filling seq_len, the loss on the answer only. The paper's query phase starts a
-    new segment; here the question follows the context inside a row wherever it ends (the
-    tasks' lengths are not segment multiples), so the question's segment also holds the
-    context's last tokens."""
+    per row, its length drawn from `lengths`, the loss on the answer only. The paper's query
+    phase starts a new segment; here the question follows the context inside a row wherever
+    it ends (the tasks' lengths are not segment multiples), so the question's segment also
+    holds the context's last tokens."""
     config.dump_folder = f"./outputs/{name}"
-    config.dataloader = TaskDataLoader.Config(tasks=MONE_TASKS)
+    config.dataloader = TaskDataLoader.Config(tasks=MONE_TASKS, lengths=lengths)
     config.validator = dataclasses.replace(config.validator, dataloader=TaskDataLoader.Config(
         tasks=MONE_TASKS, validation=True, infinite=False, samples=16))
     return config
@@ -159,7 +159,7 @@ def _mone_tasks(config: Trainer.Config, name: str) -> Trainer.Config:
 
 def mone_llama3_2_1b() -> Trainer.Config:
     """MoNe's recipe (appendix A.2) on Llama-3.2-1B from its Hugging Face folder: segments of
-    512, 4096-token task samples (8 segments; the paper draws 1K-4K), 16 per step, AdamW
+    512, task samples of 2 to 8 segments (1K-4K tokens), 16 per step, AdamW
     (0.9, 0.95) wd 0.1, lr 1e-3 for the memory and 5e-5 for LoRA, 200 warmup steps, cosine to
     1e-5, clip 1.0, bf16, one epoch of 210K samples. The paper's backbone, Qwen2.5-0.5B-Instruct,
     has attention biases this backbone does not load; Llama-3.2-1B's query width equals its
@@ -172,7 +172,7 @@ def mone_llama3_2_1b() -> Trainer.Config:
     config.checkpoint = dataclasses.replace(config.checkpoint, initial_load_path=LLAMA3_2_1B, initial_load_in_hf=True)
     config.optimizer = grouped_adamw([(LORA_PARAMETERS, 5e-5), (".*", 1e-3)])
     config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_factor=0.01)
-    return _mone_tasks(config, "mone_llama3_2_1b")
+    return _mone_tasks(config, "mone_llama3_2_1b", ",".join(str(512 * n) for n in range(2, 9)))
 
 
 def mone_debug() -> Trainer.Config:
@@ -187,9 +187,14 @@ def mone_debug() -> Trainer.Config:
     return config
 
 
+# Task samples of 6 to 8 segments of 32 at seq_len 256 (MK-NIAH needs about 170 tokens).
+DEBUG_TASK_LENGTHS = "192,224,256"
+
+
 def mone_debug_tasks() -> Trainer.Config:
-    """mone_debug on the paper's synthetic tasks (S-NIAH, MK-NIAH, FWE), loss on the answers."""
-    return _mone_tasks(mone_debug(), "mone_debug_tasks")
+    """mone_debug on the paper's synthetic tasks (S-NIAH, MK-NIAH, FWE), samples of 6 to 8
+    segments, loss on the answers."""
+    return _mone_tasks(mone_debug(), "mone_debug_tasks", DEBUG_TASK_LENGTHS)
 
 
 def mone_control_debug_tasks() -> Trainer.Config:
@@ -197,4 +202,4 @@ def mone_control_debug_tasks() -> Trainer.Config:
     block, lr 5e-4) on the same task data, no memory, the backbone's full attention."""
     graft = GraftConfig(kind="lora", layers="all", lora=dataclasses.replace(MONE_LORA, rank=8, alpha=8.0))
     config = debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="mone_control_debug_tasks", lr=5e-4)
-    return _mone_tasks(config, "mone_control_debug_tasks")
+    return _mone_tasks(config, "mone_control_debug_tasks", DEBUG_TASK_LENGTHS)
