@@ -36,12 +36,30 @@ from torchtitan_ext.synthetic_tasks import fit_sample, score, TASKS
 from torchtitan_ext.task_data import MAX_ANSWER_TOKENS, with_answer
 
 def answer(entry, ids: list[int], new_tokens: int) -> list[int]:
-    """Greedy continuation of ids, each step reading the whole sequence in the entry's mode."""
+    """Greedy continuation of ids. Streaming a model that continues from any token (stream
+    segment 1: the backbones and their grafts) reads the prompt once and then one token per
+    step, its state carried; otherwise each step re-reads the whole sequence in the entry's
+    mode (a Mela stream continues at chunk boundaries only)."""
+    if entry.mode == "streaming" and entry.model.cfg.stream_segment == 1:
+        return streamed_answer(entry, ids, new_tokens)
     seq = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(new_tokens):
             seq = torch.cat([seq, entry_logits(entry, seq)[:, -1:].argmax(-1)], 1)
     return seq[0, len(ids):].tolist()
+
+
+def streamed_answer(entry, ids: list[int], new_tokens: int) -> list[int]:
+    """`answer` by the stream: the prompt in the entry's segments, then token by token."""
+    prompt, state, generated = torch.tensor([ids]), None, []
+    with torch.no_grad():
+        for start in range(0, prompt.shape[1], entry.segment):
+            logits, state = entry.model.stream(prompt[:, start:start + entry.segment], state)
+        while True:
+            generated.append(logits[:, -1:].argmax(-1))
+            if len(generated) == new_tokens:
+                return torch.cat(generated, 1)[0].tolist()
+            logits, state = entry.model.stream(generated[-1], state)
 
 
 def answer_nll(entry, full: list[int], start: int) -> float:

@@ -10,8 +10,9 @@
 #   4. MoNe as its paper trains it: from the same folder, on the synthetic tasks (S-NIAH,
 #      MK-NIAH, FWE; loss on the answers), MoNe + LoRA on W_q, W_k, W_v (mone_debug_tasks)
 #      and the control with the same LoRA and no memory (mone_control_debug_tasks);
-#   5. evaluate both and the ungrafted backbone on the tasks (scripts/eval_tasks.py) at the
-#      training length (256) and 2x, 4x it: score and answer perplexity with intervals.
+#   5. evaluate both and the ungrafted backbone on the tasks (scripts/eval_tasks.py, streaming:
+#      the prompt read once, the answer token by token) at the training length (256) and 2x,
+#      4x it: score and answer perplexity with intervals.
 # Environment: PRETRAIN_STEPS [400], FINETUNE_STEPS [100], FINETUNE_LR [2e-3, for the first two
 # finetunes], TASK_STEPS [200], TASK_SAMPLES [24 per task and length], OUT
 # [outputs/graft_demo/<time>], SKIP_SETUP=1. Results: $OUT/eval/results.md and
@@ -68,6 +69,7 @@ train mone mone_debug_tasks "${tasks_from_hf[@]}"
 train mone_control mone_control_debug_tasks "${tasks_from_hf[@]}"
 echo "graft_demo: evaluating on the tasks (log: $run/eval_tasks.log)"
 $PY scripts/eval_tasks.py --tasks s_niah,mk_niah,fwe --context-lengths 256,512,1024 --samples "$task_samples" \
+  --mode streaming --mode streaming --mode streaming \
   --checkpoint "$run/backbone_hf" --config train_configs.backbone:backbone_qwen3_debug --label backbone \
   --checkpoint "$run/mone_control/checkpoint/step-$task_steps" --config train_configs.backbone:mone_control_debug_tasks \
   --label lora_only \

@@ -98,3 +98,20 @@ def test_answer_nll_counts_the_answer_and_eos_tokens_only(monkeypatch):
     monkeypatch.setattr(eval_tasks, "entry_logits", confident_on_the_answer)
     assert eval_tasks.answer_nll(None, full, start) < 1e-6
     assert eval_tasks.answer_nll(None, full, start - 1) > 10
+
+
+def test_a_streamed_answer_equals_re_reading_the_sequence():
+    """Token-by-token decoding through the stream (a MoNe graft: segments, memory writes and
+    a query crossing a segment boundary) gives the greedy answer of re-reading everything."""
+    from eval_long_ppl import Entry
+    from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
+    from models.grafts.graft import GraftConfig
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig(architecture="qwen3", vocab_size=64, dim=32, n_layers=2, n_heads=4,
+                                      n_kv_heads=2, head_dim=16, ffn_hidden=64, qk_norm=True,
+                                      graft=GraftConfig(kind="mone", memory={"segment": 8}))).double().eval()
+    ids = torch.randint(0, 64, (29,), generator=torch.Generator().manual_seed(1)).tolist()
+    full = Entry("full", model, "full", 64, 0, 1024)
+    streaming = Entry("streaming", model, "streaming", 64, 5, 1024)
+    assert eval_tasks.answer(streaming, ids, 12) == eval_tasks.answer(full, ids, 12)
