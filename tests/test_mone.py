@@ -216,11 +216,17 @@ def test_the_paper_shape_has_its_parameter_overhead():
     assert 6.3 < 100 * added / backbone < 6.45
 
 
-def test_bad_configs_name_the_problem():
+def test_bad_configs_name_the_problem(tokenizer_dir, tmp_path):
+    from conftest import train
+
     with pytest.raises(ValueError, match="MoNe heads 3 must divide the query width 48"):
         tiny(heads=3)
     with pytest.raises(ValueError, match="MoNe needs heads >= 1, segment >= 1"):
         tiny(segment=0)
+    run = train(["--module", "bad_configs", "--config", "mone_heads_not_dividing", "--dump_folder", str(tmp_path / "run")])
+    assert run.returncode == 2 and run.output.strip().splitlines()[-1].endswith(
+        "MoNe heads 3 must divide the query width 256 (n_heads * head_dim) and dim 128")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -176,11 +176,24 @@ def check_initial_hf_checkpoint(config) -> None:
         family.check_hf_folder(config.model_spec.model.model, folder)
 
 
+def check_model_builds(config) -> None:
+    """The model builds (on the meta device: no memory, no time); a shape its config cannot
+    take (e.g. MoNe heads that do not divide the widths) is one line."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            config.model_spec.model.build()
+    except ValueError as e:
+        raise UserError(f"the model of {config.model_spec.name} does not build: {e}") from None
+
+
 def check(config, world: int | None = None, explicit_local_batch: bool = False) -> None:
     """Raise a one-line UserError for the first problem of `config` run on `world` ranks
     (default: `world_size()`)."""
     fitted_local_batch(config, world_size() if world is None else world, explicit_local_batch)
     check_seq_len(config)
+    check_model_builds(config)
     check_dump_folder(config.dump_folder)
     check_dataset(config.dataloader, "dataloader")
     if config.validator.enable:
