@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Graft a memory onto a pretrained backbone, offline on 2 CPU cores (about 5 minutes after setup):
+# Graft a memory onto a pretrained backbone, offline on 2 CPU cores (about 15 minutes after setup):
 #   1. pretrain backbone_qwen3_debug (a 4-block Qwen3) on the embedded corpus and export it
 #      as a Hugging Face Qwen3 folder (what a user would download);
 #   2. finetune from that folder (--checkpoint.initial_load_in_hf), the backbone frozen:
