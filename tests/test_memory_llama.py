@@ -266,11 +266,8 @@ def test_a_finetune_from_hugging_face_starts_exact_keeps_the_backbone_uses_the_m
     tensors; zeroing the written fast weights changes the trained model's predictions; the
     remote-code export reloads without the project with the same logits."""
     from conftest import train
+    from graft_checks import assert_exports_as_remote_code, trained_from_hf
     from test_backbone import qwen3_debug_checkpoint
-    from test_hf import load_without_project, run_script
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
 
     qwen3_debug_checkpoint(tmp_path / "hf")
     source = ["--checkpoint.initial_load_path", str(tmp_path / "hf")]
@@ -285,75 +282,30 @@ def test_a_finetune_from_hugging_face_starts_exact_keeps_the_backbone_uses_the_m
     assert summaries and all(f"{name}: " in summaries[-1] for name in ("gate_mean", "w_h_norm", "contribution_global"))
 
     step = tmp_path / "run" / "checkpoint" / "step-20"
-    model, _ = build_model("train_configs.backbone", "memoryllama_alma_debug")
-    load_dcp_model(model, step)
-    state, hf_state = model.state_dict(), load_hf_backbone(tmp_path / "hf").state_dict()
-    assert all(torch.equal(state[key], value) for key, value in hf_state.items())  # frozen means frozen
-    stored = FileSystemReader(str(step)).read_metadata().state_dict_metadata
-    optimized = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in stored if k.startswith("optimizer.state.")}
-    assert optimized == {k for k, p in model.named_parameters() if p.requires_grad}
-    assert all(".lora_" in k or ".memory" in k for k in optimized)
-
+    model = trained_from_hf("memoryllama_alma_debug", step, tmp_path / "hf")
     x = torch.randint(0, 4096, (2, 256), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(x)
     assert (ablated_logits(model, x) - logits)[:, 32:].abs().max() > 1e-3  # the memory memorises
-
-    assert run_script("convert_to_hf.py", *MEMORYLLAMA, "--checkpoint", step, "--out", tmp_path / "merged",
-                      "--merge-lora") == 2  # a memory graft has no plain transformers form
-    assert not (tmp_path / "merged").exists()
-    assert run_script("convert_to_hf.py", *MEMORYLLAMA, "--checkpoint", step, "--out", tmp_path / "export") == 0
-    torch.save(x[:, :80], tmp_path / "x.pt")
-    hf = load_without_project(tmp_path / "export", tmp_path / "x.pt", tmp_path)
+    hf = assert_exports_as_remote_code("memoryllama_alma_debug", step, x[:, :80], logits[:, :80], tmp_path)
     assert hf["class"] == "MemoryLMForCausalLM"
-    assert (hf["logits"] - logits[:, :80]).abs().max() < 1e-5
 
 
 @pytest.mark.slow
 def test_the_compiled_block_equals_eager():
-    """torch.compile of one block (what torchtitan's per-block compile does), two chunks
-    and a partial one: outputs and every gradient within 1e-5 of eager (float32)."""
-    model = awaken(tiny())
-    block = model.layers["2"]
+    """Two chunks and a partial one through the compiled block (float32)."""
+    from graft_checks import assert_compiled_block_equals_eager
+
     x = torch.randn(2, 2 * CHUNK + 5, 48, generator=torch.Generator().manual_seed(4), requires_grad=True)
-    results = []
-    for run in (block, torch.compile(block)):
-        out = run(x, torch.arange(x.shape[1]).expand(2, -1), None)
-        grads = torch.autograd.grad(out.square().mean(), [x, *block.graft_parameters()])
-        results.append((out, grads))
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-5)
-    for compiled, eager in zip(results[1][1], results[0][1]):
-        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert_compiled_block_equals_eager(awaken(tiny()).layers["2"], x, torch.arange(x.shape[1]).expand(2, -1), None)
 
 
 @pytest.mark.slow
 def test_one_and_two_processes_and_full_ac_from_one_seed_agree_and_keep_the_backbone(tmp_path):
-    import shutil
+    from graft_checks import seeded_runs_agree
 
-    from conftest import train
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
-
-    short = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0", "--training.global_batch_size", "4"]
-    one, two, full = tmp_path / "one", tmp_path / "two", tmp_path / "full"
-    seed = train(MEMORYLLAMA + short + ["--dump_folder", str(one), "--checkpoint.create-seed-checkpoint"])
-    assert seed.returncode == 0, seed
-    shutil.copytree(one, two)
-    shutil.copytree(one, full)
-    single = train(MEMORYLLAMA + short + ["--dump_folder", str(one)])
-    double = train(MEMORYLLAMA + short + ["--dump_folder", str(two)], nproc=2)
-    recomputed = train(MEMORYLLAMA + short + ["--dump_folder", str(full), "activation-checkpoint:full"])
-    assert all(r.returncode == 0 for r in (single, double, recomputed)), (single, double, recomputed)
-    assert max(abs(single.losses[s] - double.losses[s]) / single.losses[s] for s in single.losses) < 1e-3
-    assert max(abs(single.losses[s] - recomputed.losses[s]) / single.losses[s] for s in single.losses) < 1e-4
-    seeded, _ = build_model("train_configs.backbone", "memoryllama_alma_debug")
-    load_dcp_model(seeded, one / "checkpoint" / "step-0")
-    for folder in (one, two):
-        trained, _ = build_model("train_configs.backbone", "memoryllama_alma_debug")
-        load_dcp_model(trained, folder / "checkpoint" / "step-10")
-        start, end = seeded.state_dict(), trained.state_dict()
-        frozen = {k for k, p in trained.named_parameters() if not p.requires_grad}
-        assert frozen and all(torch.equal(start[k], end[k]) for k in frozen)
-        assert all(not torch.equal(start[k], end[k]) for k, p in trained.named_parameters() if p.requires_grad)
+    seeded_runs_agree("memoryllama_alma_debug", tmp_path, ["--training.steps", "10", "--validator.no-enable",
+                                                           "--debug.seed", "0", "--training.global_batch_size", "4"])
 
 
 @pytest.mark.parametrize("update,chunk", [("muon", CHUNK), ("titans", 1)])

@@ -5,6 +5,8 @@ bad configs."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -231,19 +233,11 @@ def test_bad_configs_name_the_problem(tokenizer_dir, tmp_path):
 
 @pytest.mark.slow
 def test_the_compiled_block_equals_eager():
-    """torch.compile of one block (what torchtitan's per-block compile does): a written
-    segment and a partial one, outputs and every gradient within 1e-5 of eager (float32)."""
-    model = awaken(tiny(segment=8)).float()
-    block = model.layers["1"]
+    """A written segment and a partial one through the compiled block (float32)."""
+    from graft_checks import assert_compiled_block_equals_eager
+
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
-    results = []
-    for run in (block, torch.compile(block)):
-        out = run(x, None, None)
-        grads = torch.autograd.grad(out.square().mean(), [x, *block.graft_parameters()])
-        results.append((out, grads))
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-5)
-    for compiled, eager in zip(results[1][1], results[0][1]):
-        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert_compiled_block_equals_eager(awaken(tiny(segment=8)).float().layers["1"], x, None, None)
 
 
 MONE = ["--module", "train_configs.backbone", "--config", "mone_debug"]
@@ -269,12 +263,8 @@ def test_a_finetune_from_hugging_face_keeps_the_backbone_uses_the_memory_and_exp
     model's predictions after the first segment (never inside it); the remote-code export
     reloads without the project with the same logits."""
     from conftest import train
+    from graft_checks import assert_exports_as_remote_code, trained_from_hf
     from test_backbone import qwen3_debug_checkpoint
-    from test_hf import load_without_project, run_script
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from torchtitan_ext.backbone import load_hf_backbone
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
 
     qwen3_debug_checkpoint(tmp_path / "hf")
     run = train(MONE + FROM_HF + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "20",
@@ -285,66 +275,29 @@ def test_a_finetune_from_hugging_face_keeps_the_backbone_uses_the_memory_and_exp
     assert summaries and all(f"{name}: " in summaries[-1] for name in ("lr_mean", "beta_mean", "update_ratio"))
 
     step = tmp_path / "run" / "checkpoint" / "step-20"
-    model, _ = build_model("train_configs.backbone", "mone_debug")
-    load_dcp_model(model, step)
-    state, hf_state = model.state_dict(), load_hf_backbone(tmp_path / "hf").state_dict()
-    assert all(torch.equal(state[key], value) for key, value in hf_state.items())  # frozen means frozen
-    stored = FileSystemReader(str(step)).read_metadata().state_dict_metadata
-    optimized = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in stored if k.startswith("optimizer.state.")}
-    assert optimized == {k for k, p in model.named_parameters() if p.requires_grad}
-    assert all(".lora_" in k or ".memory" in k for k in optimized)
-
+    model = trained_from_hf("mone_debug", step, tmp_path / "hf")
     x = torch.randint(0, 4096, (2, 256), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(x)
     change = (unwritten_logits(model, x) - logits).abs()
     assert change[:, :32].max() == 0 and change[:, 32:].max() > 1e-3  # the memory memorises, causally
-
-    assert run_script("convert_to_hf.py", *MONE, "--checkpoint", step, "--out", tmp_path / "merged",
-                      "--merge-lora") == 2  # a memory graft has no plain transformers form
-    assert not (tmp_path / "merged").exists()
-    assert run_script("convert_to_hf.py", *MONE, "--checkpoint", step, "--out", tmp_path / "export") == 0
-    torch.save(x[:, :80], tmp_path / "x.pt")
-    hf = load_without_project(tmp_path / "export", tmp_path / "x.pt", tmp_path)
-    assert (hf["logits"] - logits[:, :80]).abs().max() < 1e-5
+    assert_exports_as_remote_code("mone_debug", step, x[:, :80], logits[:, :80], tmp_path)
 
 
 @pytest.mark.slow
 def test_two_processes_full_ac_and_a_resume_agree_from_one_seed(tmp_path):
     """From one seed checkpoint, 10 steps: 2 processes within 1e-3 of one, full activation
-    checkpointing within 1e-4; a run resumed from step 5 repeats steps 6-10 bit for bit;
-    the backbone unchanged, every graft tensor changed."""
-    import shutil
-
+    checkpointing within 1e-4, the backbone unchanged, every graft tensor changed; a run
+    resumed from step 5 repeats steps 6-10 bit for bit."""
     from conftest import train
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+    from graft_checks import seeded_runs_agree
 
     short = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
              "--training.global_batch_size", "4", "--checkpoint.interval", "5"]
-    one, two, full, resumed = (tmp_path / name for name in ("one", "two", "full", "resumed"))
-    seed = train(MONE + short + ["--dump_folder", str(one), "--checkpoint.create-seed-checkpoint"])
-    assert seed.returncode == 0, seed
-    for folder in (two, full):
-        shutil.copytree(one, folder)
-    single = train(MONE + short + ["--dump_folder", str(one)])
-    double = train(MONE + short + ["--dump_folder", str(two)], nproc=2)
-    recomputed = train(MONE + short + ["--dump_folder", str(full), "activation-checkpoint:full"])
-    assert all(r.returncode == 0 for r in (single, double, recomputed)), (single, double, recomputed)
-    assert max(abs(single.losses[s] - double.losses[s]) / single.losses[s] for s in single.losses) < 1e-3
-    assert max(abs(single.losses[s] - recomputed.losses[s]) / single.losses[s] for s in single.losses) < 1e-4
-
+    single, one = seeded_runs_agree("mone_debug", tmp_path, short)
+    resumed = tmp_path / "resumed"
     shutil.copytree(one, resumed)
     shutil.rmtree(resumed / "checkpoint" / "step-10")
     again = train(MONE + short + ["--dump_folder", str(resumed)])
     assert again.returncode == 0 and sorted(again.losses) == list(range(6, 11)), again
     assert all(again.losses[s] == single.losses[s] for s in again.losses)
-
-    seeded, _ = build_model("train_configs.backbone", "mone_debug")
-    load_dcp_model(seeded, one / "checkpoint" / "step-0")
-    for folder in (one, two):
-        trained, _ = build_model("train_configs.backbone", "mone_debug")
-        load_dcp_model(trained, folder / "checkpoint" / "step-10")
-        start, end = seeded.state_dict(), trained.state_dict()
-        frozen = {k for k, p in trained.named_parameters() if not p.requires_grad}
-        assert frozen and all(torch.equal(start[k], end[k]) for k in frozen)
-        assert all(not torch.equal(start[k], end[k]) for k, p in trained.named_parameters() if p.requires_grad)

@@ -186,9 +186,10 @@ class MoNeBlock(nn.Module):
                                              enable_gqa=q.shape[1] != keys.shape[1])
         return self.attention.wo(out.transpose(1, 2).flatten(-2))
 
-    def _write(self, cache: MoNeCache) -> tuple[MoNeCache, dict[str, torch.Tensor]]:
-        """Eq. 7-8 from a complete segment -> (the cache of an empty next segment, the
-        segment's mean lr and beta, detached)."""
+    def _write(self, cache: MoNeCache, targets) -> tuple[MoNeCache, dict[str, torch.Tensor]]:
+        """Eq. 7-8 from a complete segment, columns renormalised to `targets` (W_0's norms in
+        the state dtype) -> (the cache of an empty next segment, the segment's mean lr and
+        beta, detached)."""
         attn = self.attention.cfg
         keys = cache.keys.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
         dtype = cache.weights[0].dtype
@@ -196,14 +197,13 @@ class MoNeBlock(nn.Module):
         v = F.silu(self._heads(cache.xn))
         lr = F.softplus(self.memory_lr(cache.xn)).transpose(1, 2)
         beta = torch.sigmoid(self.memory_decay(cache.xn.mean(1)))
-        targets = tuple(n.to(dtype) for n in column_norms(self.memory_initial))
         weights, momentum = segment_write(cache.weights, cache.momentum, targets, k.to(dtype), v.to(dtype),
                                           lr.to(dtype), beta.to(dtype), self.cfg.kernel_backend)
         empty = cache.keys[:, :, :0]
         stats = {"lr_mean": lr.detach().mean(), "beta_mean": beta.detach().mean()}
         return MoNeCache(cache.xn[:, :0], empty, empty, empty, empty, weights, momentum), stats
 
-    def _piece(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None):
+    def _piece(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None, targets):
         """The next tokens x (B, n, dim) of the current segment (not past its end) -> (block
         output, cache, the write's statistics or {}); the segment is written once complete."""
         start = cache.xn.shape[1]
@@ -218,16 +218,17 @@ class MoNeBlock(nn.Module):
                                memory_values=torch.cat([cache.memory_values, memory_v], 2))
         x = x + self._attend(q, cache, doc_positions)
         out = x + self.feed_forward(self.ffn_norm(x))
-        return (out, *self._write(cache)) if cache.xn.shape[1] == self.cfg.segment else (out, cache, {})
+        return (out, *self._write(cache, targets)) if cache.xn.shape[1] == self.cfg.segment else (out, cache, {})
 
     def _run(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None):
         """x (B, L, dim) in pieces that end at segment boundaries -> (output, cache).
         doc_positions (B, L) only with a fresh cache (the pieces are then whole segments)."""
         start_weights, outputs, stats, start = cache.weights, [], {}, 0
+        targets = tuple(n.to(start_weights[0].dtype) for n in column_norms(self.memory_initial))  # once per call
         while start < x.shape[1]:
             end = min(start + self.cfg.segment - cache.xn.shape[1], x.shape[1])
             out, cache, written = self._piece(x[:, start:end], cache,
-                                              None if doc_positions is None else doc_positions[:, start:end])
+                                              None if doc_positions is None else doc_positions[:, start:end], targets)
             outputs.append(out)
             stats |= written
             start = end
