@@ -301,3 +301,20 @@ def test_two_processes_full_ac_and_a_resume_agree_from_one_seed(tmp_path):
     again = train(MONE + short + ["--dump_folder", str(resumed)])
     assert again.returncode == 0 and sorted(again.losses) == list(range(6, 11)), again
     assert all(again.losses[s] == single.losses[s] for s in again.losses)
+
+
+def test_the_paper_config_keeps_the_papers_ratios():
+    """mone_llama3_2_1b: samples of 2 to 8 segments (1K-4K at T = 512), seq_len 8 segments,
+    16 per step, MoNe in all 16 blocks with the paper's LoRA, 86.4M added parameters (meta)."""
+    from train_configs.backbone import mone_llama3_2_1b
+
+    config = mone_llama3_2_1b()
+    graft = config.model_spec.model.model.graft
+    segment = graft.memory.segment
+    assert [int(n) for n in config.dataloader.lengths.split(",")] == [n * segment for n in range(2, 9)]
+    assert config.training.seq_len == 8 * segment and config.training.global_batch_size == 16
+    assert graft.lora == MONE_LORA and graft.layers == "all"
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    assert sum(isinstance(b, MoNeBlock) for b in model.layers.values()) == 16
+    assert round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 1) == 86.4
