@@ -33,6 +33,18 @@ recognised by its config.json), with the `--config` it was trained with. `--devi
 cuda when present) and `--dtype` (default bfloat16 on cuda, float32 on cpu) place the model;
 the memories' fast-weight state stays float32 either way.
 
+Whole-book test-time training (`--ttt METHOD[,METHOD...]`, one checkpoint; the Locas paper's
+PG-19 protocol, scripts/whole_book.py): every document read chunk by chunk (`--chunk`, default
+half of `--window`) in a bounded window, each chunk scored before the method learns from it,
+methods truncated, full, templora, locas_glu[:init], locas_mlp[:bp|nlsvd]; reports cumulative
+perplexity against tokens read, time per token, extra parameters and a forgetting probe
+(`--probe-docs` held-out documents of `--probe-dataset`), in results.json, results.md and
+cumulative_ppl.png. A document shorter than one chunk stops the run (`--min-doc-tokens` skips
+short ones); `--dataset pg19` streams PG-19's test split from the Hub.
+
+    python scripts/eval_long_ppl.py --checkpoint <hf folder> --config train_configs.backbone:backbone_qwen3_debug \
+        --ttt truncated,templora,locas_glu,locas_glu:random_select --window 256 --dataset <book.txt> --split all --out <dir>
+
 Writes results.json, results.md and perplexity_vs_context.png to --out, through a temporary
 folder moved into place at the end (nothing half-written on failure). Bad input (a checkpoint
 of another family or size, a missing tokenizer, a context the model cannot take in the
@@ -277,6 +289,53 @@ def per_checkpoint(values: list | None, count: int, name: str, default=None) -> 
     return values
 
 
+def run_ttt(args: argparse.Namespace) -> dict:
+    """The whole-book protocol (`--ttt`) on the one checkpoint."""
+    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from whole_book import parse_method, Protocol, run_whole_book
+
+    if len(args.checkpoint) != 1:
+        raise UserError(f"--ttt reads one checkpoint, got {len(args.checkpoint)}: compare methods of one model per run")
+    specs = args.ttt.split(",")
+    for spec in specs:
+        parse_method(spec)
+    entry, tokenizer_dir = load_entry(args.checkpoint[0], args.config[0], "full", None, args.window, None,
+                                      args.device, args.dtype)
+    window = entry.window
+    protocol = Protocol(chunk=args.chunk or window // 2, window=window, full_window=args.full_window or entry.max_seq_len,
+                        rank=args.ttt_rank, lr=args.ttt_lr, templora_lr=args.templora_lr, steps=args.ttt_steps,
+                        layers=args.locas_layers, value_scale=args.value_scale)
+    protocol.check(entry.max_seq_len)
+    tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=tokenizer_dir)
+    docs = long_documents(args.dataset, tokenizer, args.min_doc_tokens, args.max_docs, args.split)
+    if not docs:
+        raise UserError(f"no document of at least {args.min_doc_tokens} tokens in '{args.dataset}'")
+    probes = long_documents(args.probe_dataset, tokenizer, 2, args.probe_docs) if args.probe_docs else []
+    results = run_whole_book(entry.model, specs, docs, probes, protocol)
+    if args.merge_out:
+        export_merged(entry.model, specs, docs[-1], protocol, args.config[0], args.merge_out)
+    return {"dataset": args.dataset, "split": dataset_split(args.dataset, args.split), "device": args.device,
+            "dtype": str(args.dtype).removeprefix("torch."), "checkpoint": args.checkpoint[0], **results}
+
+
+def export_merged(base: torch.nn.Module, specs: list[str], document: list[int], protocol, config: str, out: Path) -> None:
+    """The first Locas method's model after reading `document`, its memories merged into the
+    FFNs (models/memory/locas.py `merge_locas`), written as a Hugging Face folder: a plain
+    LlamaForCausalLM / Qwen3ForCausalLM for the backbone, the family's export otherwise."""
+    from models.memory.locas import merge_locas
+    from torchtitan_ext.checkpoints import build_model
+    from torchtitan_ext.hf_export import export
+    from whole_book import read_document
+
+    locas = [s for s in specs if s.startswith("locas")]
+    if not locas:
+        raise UserError("--merge-out needs a Locas method in --ttt (locas_glu or locas_mlp)")
+    module, _, function = config.partition(":")
+    _, trainer_config = build_model(module, function, "meta")
+    _, reader = read_document(base, locas[0], document, protocol)
+    export(merge_locas(reader.model), trainer_config, out)
+
+
 def run(args: argparse.Namespace) -> dict:
     from torchtitan_ext.tokenizer import AssetsTokenizer
 
@@ -333,6 +392,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--segment", type=int, help="streaming segment (default: the model's stream unit, at least 64 tokens)")
     parser.add_argument("--split", choices=("heldout", "all"), default="heldout",
                         help="local datasets: the held-out split training never reads, or every document")
+    ttt = parser.add_argument_group("whole-book test-time training (--ttt; scripts/whole_book.py)")
+    ttt.add_argument("--ttt", help="comma-separated methods: truncated, full, templora, locas_glu[:init], locas_mlp[:bp|nlsvd]")
+    ttt.add_argument("--chunk", type=int, help="tokens scored (then learned from) per step (default: half the window)")
+    ttt.add_argument("--full-window", type=int, help="the full method's span (default: the model's max_seq_len)")
+    ttt.add_argument("--ttt-rank", type=int, default=64, help="Locas width r / TempLoRA rank")
+    ttt.add_argument("--ttt-lr", type=float, default=4e-3, help="Locas' AdamW lr (the paper's 4e-3)")
+    ttt.add_argument("--templora-lr", type=float, default=1e-3)
+    ttt.add_argument("--ttt-steps", type=int, default=1, help="updates per chunk")
+    ttt.add_argument("--locas-layers", default="all", help="blocks with a Locas memory (all, alma, elma, gema:k, 0,3,...)")
+    ttt.add_argument("--value-scale", type=float, default=1.0, help="Locas-MLP's value init scale eps")
+    ttt.add_argument("--min-doc-tokens", type=int, default=0, help="skip documents shorter than this")
+    ttt.add_argument("--probe-dataset", default="embedded", help="held-out text of the forgetting probe")
+    ttt.add_argument("--probe-docs", type=int, default=8, help="probe documents (0: no probe)")
+    ttt.add_argument("--merge-out", type=Path, help="write the first Locas method's model after the last document, "
+                     "its memory merged into the FFNs, as a Hugging Face folder here")
     cuda = torch.cuda.is_available()
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16" if cuda else "float32")
@@ -344,10 +418,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        results = run(args)
+        results = run_ttt(args) if args.ttt else run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if args.ttt:
+        import whole_book
+
+        with staged_folder(args.out) as staging:
+            (staging / "results.json").write_text(json.dumps(results, indent=2))
+            (staging / "results.md").write_text(whole_book.markdown(results))
+            whole_book.plot(results, staging / "cumulative_ppl.png")
+        print(whole_book.markdown(results))
+        print(f"wrote {args.out}/results.json, results.md, cumulative_ppl.png")
+        return
     write_outputs(results, args.out)
     print(markdown(results))
     print(f"wrote {args.out}/results.json, results.md, perplexity_vs_context.png")

@@ -1,0 +1,326 @@
+"""Whole-book test-time training (the Locas paper's PG-19 protocol, section 3.2): a long
+document is read chunk by chunk with a bounded attention window; each chunk is scored before
+anything learns from it; what a method learns persists to the end of the document (and is
+dropped before the next one). `scripts/eval_long_ppl.py --ttt METHODS` runs it.
+
+Methods (one `Reader` each, all on one copy of the checkpoint's model per document):
+- `truncated`: the window alone (the paper's "Cxt. Trunc.");
+- `full`: every earlier token up to `full_window` (default: the model's max_seq_len);
+- `templora`: TempLoRA, LoRA (rank r, alpha 2r) on every attention and FFN projection,
+  trained on each chunk after scoring it;
+- `locas_glu[:INIT]`: Locas-GLU (models/memory/locas.py), INIT one of topk (default),
+  bottomk, random_select, gaussian, norm_act: initialised from the first chunk, then trained
+  on each chunk, rows clipped after every update;
+- `locas_mlp[:bp|nlsvd]`: Locas-MLP, slots grown from each chunk's activations and
+  gradients with NL-SVD compression at 2r (nlsvd), or grown once from the first chunk and
+  trained (bp, default).
+
+Choices where the paper is silent (also in docs/benchmarks.md): the window holds the chunk
+and up to `window - chunk` tokens before it (`chunk` < `window`; default chunk = window / 2);
+`steps` AdamW updates (betas 0.9 / 0.999, no weight decay; its state kept for the document)
+on the chunk's mean NLL per chunk, the first of them on the scoring forward itself (same
+parameters, so scoring still precedes learning); Locas lr 4e-3 (the paper's Table 2 value),
+TempLoRA its own lr. Cumulative perplexity at N tokens: per document exp of the mean NLL of
+its first N scored tokens; across documents exp of the mean of those per-document means over
+documents of at least N scored tokens, with a 95% bootstrap interval over documents. Time per
+token: wall time of a method over all documents / tokens scored, as a ratio to `truncated`.
+Forgetting probe: perplexity of held-out text (window-length pieces, nothing learning) under
+the model before and after it memorised each document.
+
+Shapes: a document is a list of token ids (BOS first); NLLs are (n_targets,) float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eval_long_ppl import bootstrap
+from models.grafts.lora import apply_lora, LoRAConfig, TARGETS
+from models.memory.locas import (attach_locas, GLU_INITS, grow_mlp_memories, init_glu_memories, LocasConfig,
+                                 memory_parameters, MLP_UPDATES)
+from torchtitan_ext.errors import UserError
+
+METHODS = ("truncated", "full", "templora", "locas_glu", "locas_mlp")
+
+
+@dataclass
+class Protocol:
+    chunk: int = 1024
+    window: int = 2048  # attention span of scoring and learning
+    full_window: int = 16384  # `full`'s span
+    rank: int = 64  # Locas width / TempLoRA rank
+    lr: float = 4e-3  # Locas
+    templora_lr: float = 1e-3
+    steps: int = 1  # updates per chunk
+    layers: str = "all"  # Locas' blocks
+    value_scale: float = 1.0  # Locas-MLP's eps
+
+    def check(self, max_seq_len: int) -> None:
+        if not 0 < self.chunk < self.window:
+            raise UserError(f"--chunk {self.chunk} must be positive and smaller than --window {self.window} "
+                            "(the window holds the chunk and the context before it)")
+        if self.window > max_seq_len:
+            raise UserError(f"--window {self.window} exceeds the model's max_seq_len {max_seq_len}")
+        if self.steps < 1:
+            raise UserError(f"--ttt-steps must be at least 1, got {self.steps}")
+
+
+def parse_method(spec: str) -> tuple[str, str | None]:
+    """'locas_glu:topk' -> ('locas_glu', 'topk'); UserError naming the choices on anything unknown."""
+    kind, _, option = spec.partition(":")
+    options = {"locas_glu": GLU_INITS, "locas_mlp": MLP_UPDATES}.get(kind, ())
+    if kind not in METHODS or (option and option not in options):
+        raise UserError(f"--ttt method '{spec}' unknown: choose from {', '.join(METHODS)}, with locas_glu:<"
+                        f"{'|'.join(GLU_INITS)}> or locas_mlp:<{'|'.join(MLP_UPDATES)}>")
+    return kind, option or {"locas_glu": "topk", "locas_mlp": "bp"}.get(kind)
+
+
+def chunk_nll(model: torch.nn.Module, inputs: torch.Tensor, scored: int) -> torch.Tensor:
+    """NLL (scored,) of the last `scored` tokens of inputs (1, n), each given the ones before it."""
+    logits = model(inputs)[0, -scored - 1 : -1]
+    return F.cross_entropy(logits.float(), inputs[0, -scored:], reduction="none")
+
+
+class Reader:
+    """One method reading one document: a copy of `base` with what the method adds, and how
+    it learns from a chunk after scoring it."""
+
+    def __init__(self, base: torch.nn.Module, spec: str, protocol: Protocol):
+        self.kind, self.option = parse_method(spec)
+        self.protocol = protocol
+        self.model = copy.deepcopy(base).eval()
+        self.chunks_read = 0
+        self.sideways, self.optimizer, params = [], None, []
+        for p in self.model.parameters():
+            p.requires_grad_(False)  # only what a method adds learns
+        if self.kind.startswith("locas"):
+            self.locas = LocasConfig(variant=self.kind.removeprefix("locas_"), rank=protocol.rank, layers=protocol.layers,
+                                     **({"init": self.option} if self.kind == "locas_glu" else {"update": self.option}),
+                                     value_scale=protocol.value_scale)
+            try:
+                self.sideways = attach_locas(self.model, self.locas)
+            except ValueError as e:
+                raise UserError(f"--ttt {spec}: {e}") from None
+            params = memory_parameters(self.sideways)
+        elif self.kind == "templora":
+            block = next(iter(self.model.layers.values()))
+            targets = tuple(t for t, path in TARGETS.items() if hasattr(block.get_submodule(path.split(".")[0]), path.split(".")[1]))
+            with torch.random.fork_rng(devices=[]):  # the same A init for every document and run
+                torch.manual_seed(0)
+                apply_lora(list(self.model.layers.values()), LoRAConfig(rank=protocol.rank, alpha=2.0 * protocol.rank,
+                                                                        dropout=0.0, targets=targets))
+            self.model.eval()
+            params = [p for p in self.model.parameters() if p.requires_grad]
+        if params and self.kind != "locas_mlp":
+            self.make_optimizer(params, protocol.templora_lr if self.kind == "templora" else protocol.lr)
+
+    def make_optimizer(self, params, lr: float) -> None:
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+
+    def extra_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def read_chunk(self, inputs: torch.Tensor, scored: int) -> torch.Tensor:
+        """Score the last `scored` tokens of inputs (1, n), then learn from them -> NLL (scored,)."""
+        first = self.chunks_read == 0
+        self.chunks_read += 1
+        if self.kind in ("truncated", "full"):
+            with torch.no_grad():
+                return chunk_nll(self.model, inputs, scored)
+        if self.kind == "locas_glu" and first:
+            with torch.no_grad():
+                nll = self.recorded(inputs, scored)
+            init_glu_memories(self.sideways, self.locas)
+            for _ in range(self.protocol.steps):
+                self.train_step(inputs, scored)
+            return nll
+        if self.kind == "locas_mlp" and (first or self.option == "nlsvd"):
+            return self.grow(inputs, scored, first)
+        nll = self.train_step(inputs, scored)
+        for _ in range(self.protocol.steps - 1):
+            self.train_step(inputs, scored)
+        return nll
+
+    def recorded(self, inputs: torch.Tensor, scored: int) -> torch.Tensor:
+        """chunk_nll with every memory keeping its FFN input and output."""
+        for s in self.sideways:
+            s.recording = True
+        try:
+            return chunk_nll(self.model, inputs, scored)
+        finally:
+            for s in self.sideways:
+                s.recording = False
+
+    def grow(self, inputs: torch.Tensor, scored: int, first: bool) -> torch.Tensor:
+        """Locas-MLP's expansion: a forward that records each FFN's input and output, the
+        chunk's NLL back-propagated to those outputs (the embeddings made a leaf that needs a
+        gradient, the frozen weights untouched), slots grown from them."""
+        hook = self.model.tok_embeddings.register_forward_hook(lambda m, i, out: out.detach().requires_grad_())
+        try:
+            nll = self.recorded(inputs, scored)
+            nll.sum().backward()
+        finally:
+            hook.remove()
+        targets = slice(inputs.shape[1] - scored - 1, inputs.shape[1] - 1)
+        grow_mlp_memories(self.sideways, targets, self.locas, first)
+        for s in self.sideways:
+            s.outputs = s.inputs = None
+        if self.option == "bp" and self.optimizer is None:
+            self.make_optimizer(memory_parameters(self.sideways), self.protocol.lr)
+        return nll.detach()
+
+    def train_step(self, inputs: torch.Tensor, scored: int) -> torch.Tensor:
+        """One AdamW step on the chunk's mean NLL (rows clipped after it for Locas-GLU) -> the
+        NLL before the step (scored,)."""
+        nll = chunk_nll(self.model, inputs, scored)
+        nll.mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.kind == "locas_glu":
+            for s in self.sideways:
+                s.memory.clip_()
+        return nll.detach()
+
+
+def read_document(base: torch.nn.Module, spec: str, tokens: list[int], protocol: Protocol) -> tuple[torch.Tensor, Reader]:
+    """NLL (len(tokens) - 1,) float64 of every token after the first under `spec`, chunk by
+    chunk (each scored, then learned from), and the Reader at the end of the document."""
+    reader = Reader(base, spec, protocol)
+    device = next(base.parameters()).device
+    ids = torch.tensor(tokens, device=device)
+    span = protocol.full_window if reader.kind == "full" else protocol.window
+    parts = []
+    for first_target in range(1, len(ids), protocol.chunk):
+        end = min(first_target + protocol.chunk, len(ids))
+        parts.append(reader.read_chunk(ids[None, max(0, end - span) : end], end - first_target).detach().double().cpu())
+    return torch.cat(parts), reader
+
+
+@torch.no_grad()
+def probe_nll(model: torch.nn.Module, probes: list[list[int]], window: int) -> float:
+    """Mean NLL per token of the probe documents, each cut into window-length pieces read alone."""
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    for doc in probes:
+        for start in range(0, len(doc) - 1, window):
+            piece = torch.tensor(doc[start : start + window + 1][:window], device=device)[None]
+            if piece.shape[1] < 2:
+                continue
+            nll = chunk_nll(model, piece, piece.shape[1] - 1)
+            total, count = total + nll.sum().item(), count + nll.numel()
+    return total / max(count, 1)
+
+
+def check_documents(docs: list[list[int]], chunk: int) -> None:
+    for i, doc in enumerate(docs):
+        if len(doc) - 1 < chunk:
+            raise UserError(f"document {i} has {len(doc)} tokens, fewer than one chunk ({chunk}) after the first: use "
+                            "a smaller --chunk, or --min-doc-tokens to skip short documents")
+
+
+def cumulative(nlls: list[torch.Tensor], points: list[int]) -> list[dict]:
+    """Cumulative perplexity at each N of `points` over the documents with >= N scored tokens."""
+    rows = []
+    for n in points:
+        per_doc = torch.stack([d[:n].mean() for d in nlls if len(d) >= n])
+        rows.append({"tokens": n, "documents": len(per_doc), "ppl": math.exp(per_doc.mean().item()),
+                     "ppl_ci95": list(bootstrap(per_doc)), "doc_nll": per_doc.tolist()})
+    return rows
+
+
+def report_points(docs: list[list[int]], chunk: int) -> list[int]:
+    """Every chunk boundary up to the longest document's scored length."""
+    longest = max(len(d) - 1 for d in docs)
+    return list(range(chunk, longest + 1, chunk)) + ([longest] if longest % chunk else [])
+
+
+def run_whole_book(base: torch.nn.Module, specs: list[str], docs: list[list[int]], probes: list[list[int]],
+                   protocol: Protocol) -> dict:
+    """Every method over every document: cumulative perplexity, time per token, extra
+    parameters, forgetting probe (see the module docstring) -> a JSON-able dict."""
+    from tqdm import tqdm
+
+    for spec in specs:
+        Reader(base, spec, protocol)  # a bad method stops before any document is read
+    check_documents(docs, protocol.chunk)
+    points = report_points(docs, protocol.chunk)
+    probe_before = probe_nll(base, probes, protocol.window) if probes else None
+    methods = []
+    for spec in specs:
+        nlls, seconds, after, extra = [], 0.0, [], 0
+        for doc in tqdm(docs, desc=spec, leave=False):
+            start = time.perf_counter()
+            nll, reader = read_document(base, spec, doc, protocol)
+            seconds += time.perf_counter() - start
+            nlls.append(nll)
+            extra = reader.extra_parameters()
+            if probes:
+                after.append(probe_nll(reader.model, probes, protocol.window))
+        scored = sum(len(n) for n in nlls)
+        method = {"method": spec, "extra_parameters": extra, "seconds": seconds, "seconds_per_token": seconds / scored,
+                  "cumulative": cumulative(nlls, points)}
+        if probes:
+            method["probe_ppl_after"] = math.exp(sum(after) / len(after))
+        methods.append(method)
+    reference = next((m for m in methods if m["method"] == "truncated"), methods[0])
+    for m in methods:
+        m["time_ratio"] = m["seconds_per_token"] / reference["seconds_per_token"]
+        for cell, ref in zip(m["cumulative"], reference["cumulative"]):
+            diff = torch.tensor(cell["doc_nll"], dtype=torch.float64) - torch.tensor(ref["doc_nll"], dtype=torch.float64)
+            cell["ratio_to_reference"] = math.exp(diff.mean().item())
+            cell["ratio_ci95"] = list(bootstrap(diff))
+    return {"protocol": protocol.__dict__, "documents": len(docs), "document_tokens": [len(d) for d in docs],
+            "reference": reference["method"], "probe_ppl_before": math.exp(probe_before) if probes else None,
+            "methods": methods}
+
+
+def markdown(results: dict, picks: int = 4) -> str:
+    """A table of cumulative perplexity at `picks` token counts (spread over the range), the
+    ratio to the reference, time and extra parameters, and the forgetting probe."""
+    points = results["methods"][0]["cumulative"]
+    shown = [points[round(i * (len(points) - 1) / max(picks - 1, 1))] for i in range(min(picks, len(points)))]
+    shown = list({c["tokens"]: c for c in shown}.values())
+    p = results["protocol"]
+    lines = [f"Whole-book test-time training: {results['documents']} documents ({min(results['document_tokens'])}-"
+             f"{max(results['document_tokens'])} tokens), chunk {p['chunk']}, window {p['window']}, rank {p['rank']}, "
+             f"{p['steps']} step(s) per chunk; cumulative perplexity at N tokens (95% bootstrap interval over "
+             f"documents; ratio to {results['reference']} paired).", "",
+             "| method | " + " | ".join(f"PPL@{c['tokens']}" for c in shown) + " | ratio@" + str(shown[-1]["tokens"])
+             + " | extra params | time / token |", "| --- " * (len(shown) + 4) + "|"]
+    for m in results["methods"]:
+        cells = {c["tokens"]: c for c in m["cumulative"]}
+        last = cells[shown[-1]["tokens"]]
+        lines.append(f"| {m['method']} | " + " | ".join(
+            f"{cells[c['tokens']]['ppl']:.2f} ({cells[c['tokens']]['ppl_ci95'][0]:.2f}-{cells[c['tokens']]['ppl_ci95'][1]:.2f})"
+            for c in shown) + f" | {last['ratio_to_reference']:.3f} ({last['ratio_ci95'][0]:.3f}-{last['ratio_ci95'][1]:.3f})"
+            f" | {m['extra_parameters']:,} | {m['time_ratio']:.2f}x |")
+    if results["probe_ppl_before"] is not None:
+        lines += ["", f"Forgetting probe (held-out text, nothing learning): perplexity {results['probe_ppl_before']:.2f} "
+                  "before; after memorising a document (mean over documents):", ""]
+        lines += [f"- {m['method']}: {m['probe_ppl_after']:.2f}" for m in results["methods"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for m in results["methods"]:
+        cells = m["cumulative"]
+        x = [c["tokens"] for c in cells]
+        ax.plot(x, [c["ppl"] for c in cells], label=f"{m['method']} ({m['time_ratio']:.1f}x time)")
+        ax.fill_between(x, [c["ppl_ci95"][0] for c in cells], [c["ppl_ci95"][1] for c in cells], alpha=0.12)
+    ax.set(xlabel="tokens read", ylabel="cumulative perplexity", title="Whole-book test-time training")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
