@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
 from models.layers.ffn import SwiGLU
@@ -23,10 +22,11 @@ from whole_book import chunk_nll, Protocol, read_document, Reader
 VOCAB = 96
 
 
-def qwen3_model(seed: int = 0) -> DecoderLM:
+def qwen3_model(seed: int = 0, architecture: str = "qwen3") -> DecoderLM:
     torch.manual_seed(seed)
-    return DecoderLM(DecoderLMConfig(architecture="qwen3", qk_norm=True, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
-                                     n_kv_heads=2, head_dim=8, ffn_hidden=48, tie_embeddings=True)).eval()
+    return DecoderLM(DecoderLMConfig(architecture=architecture, qk_norm=architecture == "qwen3", vocab_size=VOCAB, dim=32,
+                                     n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=48,
+                                     tie_embeddings=architecture == "qwen3")).eval()
 
 
 def mlp_model(seed: int = 0) -> MLPLM:
@@ -105,13 +105,14 @@ def test_clipping_holds_after_every_update_and_binds_at_a_large_lr():
 
 # --- merge ---------------------------------------------------------------------------------
 
-def test_locas_glu_merges_into_a_plain_backbone_that_transformers_loads(tmp_path):
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_locas_glu_merges_into_a_plain_backbone_that_transformers_loads(tmp_path, architecture):
     from transformers import AutoModelForCausalLM
 
     from torchtitan_ext.backbone import hf_config, to_hf_keys
     from torchtitan_ext.hf_export import save_safetensors
 
-    model, tokens = qwen3_model(), torch.tensor([document(40)])
+    model, tokens = qwen3_model(architecture=architecture), torch.tensor([document(40)])
     attach_locas(model, LocasConfig(rank=8, layers="1"))  # one block: the other is padded with zero channels
     for p in memory_parameters([model.layers["1"].feed_forward]):
         torch.nn.init.normal_(p, std=0.3)
@@ -122,8 +123,8 @@ def test_locas_glu_merges_into_a_plain_backbone_that_transformers_loads(tmp_path
         assert merged.cfg.ffn_hidden == 48 + 8 and not any(isinstance(m, SidewaysFFN) for m in merged.modules())
         assert torch.allclose(merged(tokens), with_memory, atol=1e-5)
     config = hf_config(merged.cfg)
-    assert config.architectures == ["Qwen3ForCausalLM"]
-    save_safetensors(to_hf_keys(merged.state_dict(), tied=True), tmp_path, "2GB")
+    assert config.architectures == [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[architecture]]
+    save_safetensors(to_hf_keys(merged.state_dict(), tied=architecture == "qwen3"), tmp_path, "2GB")
     config.save_pretrained(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():

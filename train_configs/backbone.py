@@ -203,3 +203,29 @@ def mone_control_debug_tasks() -> Trainer.Config:
     graft = GraftConfig(kind="lora", layers="all", lora=dataclasses.replace(MONE_LORA, rank=8, alpha=8.0))
     config = debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="mone_control_debug_tasks", lr=5e-4)
     return _mone_tasks(config, "mone_control_debug_tasks", DEBUG_TASK_LENGTHS)
+
+
+# The Locas paper's pretrained backbones (Table 1), Hugging Face folders the user downloads
+# (huggingface-cli download Qwen/Qwen3-1.7B-Base --local-dir assets/hf/Qwen3-1.7B-Base):
+# `scripts/eval_long_ppl.py --ttt` reads them through these configs, whose seq_len (2048) is the
+# paper's truncation window. Trained as they are, they finetune the whole backbone.
+QWEN3_BASE = {"qwen3_0_6b": "Qwen3-0.6B-Base", "qwen3_1_7b": "Qwen3-1.7B-Base"}
+
+
+def _qwen3_base(flavor: str) -> Trainer.Config:
+    folder = str(REPO_ROOT / "assets" / "hf" / QWEN3_BASE[flavor])
+    config = paper_recipe(FAMILY.model_spec(flavor), name=f"backbone_{flavor}", lr=1e-5, local_batch_size=4)
+    config.training = dataclasses.replace(config.training, seq_len=2048)
+    config.hf_assets_path = folder
+    config.checkpoint = dataclasses.replace(config.checkpoint, initial_load_path=folder, initial_load_in_hf=True)
+    return config
+
+
+def backbone_qwen3_0_6b() -> Trainer.Config:
+    """Qwen3-0.6B-Base from assets/hf/Qwen3-0.6B-Base (module note above)."""
+    return _qwen3_base("qwen3_0_6b")
+
+
+def backbone_qwen3_1_7b() -> Trainer.Config:
+    """Qwen3-1.7B-Base from assets/hf/Qwen3-1.7B-Base (module note above)."""
+    return _qwen3_base("qwen3_1_7b")
