@@ -210,7 +210,7 @@ def probe_nll(model: torch.nn.Module, probes: list[list[int]], window: int) -> f
     device = next(model.parameters()).device
     for doc in probes:
         for start in range(0, len(doc) - 1, window):
-            piece = torch.tensor(doc[start : start + window + 1][:window], device=device)[None]
+            piece = torch.tensor(doc[start : start + window], device=device)[None]
             if piece.shape[1] < 2:
                 continue
             nll = chunk_nll(model, piece, piece.shape[1] - 1)

@@ -39,6 +39,7 @@ Shapes: A (..., d); memories' rows (r, d); fast weights kept in float32.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -191,9 +192,7 @@ class LocasMLP(nn.Module):
 
     def merged_into(self, ffn: nn.Module) -> nn.Module:
         """The two-layer FFN with the slots appended: W_1 rows += K, W_2 columns += V^T."""
-        merged = type(ffn).__new__(type(ffn))
-        nn.Module.__init__(merged)
-        merged.act = ffn.act
+        merged = copy.deepcopy(ffn)
         merged.w1 = nn.Linear(ffn.w1.in_features, ffn.w1.out_features + self.slots, bias=False).to(ffn.w1.weight)
         merged.w2 = nn.Linear(ffn.w2.in_features + self.slots, ffn.w2.out_features, bias=False).to(ffn.w2.weight)
         with torch.no_grad():
@@ -280,6 +279,7 @@ def init_glu_memories(sideways: list[SidewaysFFN], cfg: LocasConfig) -> None:
     generator = torch.Generator().manual_seed(cfg.seed)
     for s in sideways:
         s.memory.init_from_chunk(s.ffn, s.inputs.flatten(0, -2), cfg.init, generator)
+        s.inputs = s.outputs = None
 
 
 @torch.no_grad()
