@@ -19,7 +19,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-MODULES = ("transformer", "mlp_lm", "titans", "mela", "backbone")  # torchtitan_ext.<name>.FAMILY
+MODULES = ("transformer", "mlp_lm", "titans", "mela", "backbone", "gradmem")  # torchtitan_ext.<name>.FAMILY
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Family:
     code; the field None: the whole family exports as remote code); state_dict_adapter:
     torchtitan's adapter to Hugging Face keys (None: the export wrapper's `model.` prefix);
     check_hf_folder(config, folder): UserError unless a Hugging Face folder holds a model of
-    `config`'s shape (preflight, before an initial load); config_module: the `train_configs`
+    `config`'s shape (preflight, before an initial load); check_config(trainer config):
+    UserError for options the family cannot train under (preflight); config_module: the `train_configs`
     module (default `train_configs.<name>`)."""
 
     name: str
@@ -53,6 +54,7 @@ class Family:
     hf_config: Callable | None = None
     state_dict_adapter: type | None = None
     check_hf_folder: Callable | None = None
+    check_config: Callable | None = None
     config_module: str = ""
 
     def __post_init__(self):

@@ -176,6 +176,18 @@ def check_initial_hf_checkpoint(config) -> None:
         family.check_hf_folder(config.model_spec.model.model, folder)
 
 
+def check_family(config) -> None:
+    """The family's own checks of the trainer config (`Family.check_config`)."""
+    from torchtitan_ext.families import family_of_spec
+
+    try:
+        family = family_of_spec(config.model_spec.name)
+    except ValueError:
+        return
+    if family.check_config is not None:
+        family.check_config(config)
+
+
 def check_model_builds(config) -> None:
     """The model builds (on the meta device: no memory, no time); a shape its config cannot
     take (e.g. MoNe heads that do not divide the widths) is one line."""
@@ -198,6 +210,7 @@ def check(config, world: int | None = None, explicit_local_batch: bool = False) 
     check_dataset(config.dataloader, "dataloader")
     if config.validator.enable:
         check_dataset(config.validator.dataloader, "validator.dataloader")
+    check_family(config)
     check_tokenizer(config)
     check_initial_hf_checkpoint(config)
 

@@ -49,7 +49,11 @@ def _compound(rng: random.Random, taken: set) -> str:
 
 def kv_retrieval(rng: random.Random, chars: int) -> Sample:
     """About `chars` characters of `!k:v!` pairs (one character is about one token here)."""
-    n_pairs = max(2, (chars - 8) // 6)
+    return kv_pairs(rng, max(2, (chars - 8) // 6))
+
+
+def kv_pairs(rng: random.Random, n_pairs: int) -> Sample:
+    """KV-retrieval with exactly `n_pairs` pairs (GradMem's Table 1 counts them)."""
     keys = rng.sample([a + b for a in SYMBOLS for b in SYMBOLS], n_pairs)
     values = ["".join(rng.choices(SYMBOLS, k=2)) for _ in keys]
     j = rng.randrange(n_pairs)

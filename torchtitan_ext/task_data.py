@@ -11,6 +11,11 @@ The answer is what eval_tasks.py scores: kv_retrieval the value, niah " " + the 
 " " + the three words. Answer tokens are those after the longest common prefix of the
 prompt's and the prompt-plus-answer's encodings (a merge across the boundary is labelled).
 
+For a prefix memory (GradMem) `split_context` makes each row two documents: BOS + context,
+then query + answer + EOS + padding, encoded apart, `positions` restarting at 0 where the
+query starts; `pairs` (kv_retrieval only) draws each sample's number of key-value pairs from
+a list instead of filling the row (GradMem's Table 1 counts pairs).
+
 Sample i (tasks taken in turn) is drawn from `random.Random(f"{seed}-{split}-{i}")`: the
 same data for any number of ranks (rank r of W takes i = r, r + W, ...), resumable from
 the iterator state saved in checkpoints; the validation split draws from other seeds.
@@ -29,7 +34,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.synthetic_tasks import fit_sample, TASKS
+from torchtitan_ext.synthetic_tasks import fit_sample, kv_pairs, TASKS
 
 ANSWER_PREFIX = {"kv_retrieval": "", "s_niah": " ", "mk_niah": " ", "fwe": " "}
 MAX_ANSWER_TOKENS = 24  # room kept for the answer and EOS when fitting the context
@@ -47,23 +52,50 @@ def with_answer(task: str, sample, prompt: list[int], tokenizer) -> tuple[list[i
     return full, next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
 
 
-def encode_sample(task: str, rng: random.Random, tokenizer, length: int) -> tuple[list[int], int]:
-    """`with_answer` of a sample of at most `length` tokens."""
-    prompt, sample = fit_sample(task, rng, tokenizer, length - MAX_ANSWER_TOKENS)
-    full, start = with_answer(task, sample, prompt, tokenizer)
+def split_with_answer(task: str, sample, tokenizer) -> tuple[list[int], int, int]:
+    """(ids of BOS + context, then query + answer + EOS; index of the first answer token;
+    index of the query's first token): context and query encoded apart."""
+    context = tokenizer.encode(sample.context, add_bos=True, add_eos=False)
+    query = tokenizer.encode(sample.query, add_bos=False, add_eos=False)
+    rest = tokenizer.encode(sample.query + answer_text(task, sample.answers), add_bos=False, add_eos=True)
+    start = next((i for i, (a, b) in enumerate(zip(query, rest)) if a != b), min(len(query), len(rest)))
+    return context + rest, len(context) + start, len(context)
+
+
+def encode_sample(task: str, rng: random.Random, tokenizer, length: int, split_context: bool = False,
+                  pairs: int = 0) -> tuple[list[int], int, int]:
+    """(ids, first answer token, first query token) of a sample of at most `length` tokens:
+    `with_answer`'s (query index 0), or with `split_context` `split_with_answer`'s; `pairs`:
+    a kv_retrieval sample of that many pairs instead of the longest that fits."""
+    if pairs:
+        sample = kv_pairs(rng, pairs)
+    else:
+        prompt, sample = fit_sample(task, rng, tokenizer, length - MAX_ANSWER_TOKENS)
+    if split_context:
+        full, start, query = split_with_answer(task, sample, tokenizer)
+    else:
+        prompt = tokenizer.encode(sample.context + sample.query, add_bos=True, add_eos=False) if pairs else prompt
+        (full, start), query = with_answer(task, sample, prompt, tokenizer), 0
     if len(full) > length:
+        if pairs:
+            raise UserError(f"a sample of {pairs} key-value pairs takes {len(full)} tokens, more than {length}: "
+                            "use a longer --training.seq_len")
         raise UserError(f"a {task} answer does not fit in {length} tokens: use a longer --training.seq_len")
-    return full, start
+    return full, start, query
 
 
 class TaskDataset(IterableDataset, Stateful):
     """Yields ({"input": (L,), "positions": (L,)}, labels (L,)) with L = seq_len (module docstring)."""
 
     def __init__(self, tasks: list[str], tokenizer, seq_len: int, seed: int, validation: bool, infinite: bool,
-                 samples: int, dp_rank: int, dp_world_size: int, lengths: tuple[int, ...] = ()):
+                 samples: int, dp_rank: int, dp_world_size: int, lengths: tuple[int, ...] = (),
+                 split_context: bool = False, pairs: tuple[int, ...] = ()):
         unknown = [t for t in tasks if t not in TASKS]
         if unknown or not tasks:
             raise UserError(f"unknown task(s) {unknown}: choose from {list(TASKS)} (comma-separated)")
+        if pairs and (tasks != ["kv_retrieval"] or min(pairs) < 1):
+            raise UserError(f"task pairs {list(pairs)} need --dataloader.tasks kv_retrieval and counts of at least 1")
+        self.split_context, self.pairs = split_context, pairs
         if any(not MAX_ANSWER_TOKENS < n <= seq_len for n in lengths):
             raise UserError(f"task sample lengths {list(lengths)} must lie in {MAX_ANSWER_TOKENS + 1}..{seq_len} "
                             "(seq_len): shorten them or raise --training.seq_len")
@@ -78,13 +110,16 @@ class TaskDataset(IterableDataset, Stateful):
         task = self.tasks[index % len(self.tasks)]
         rng = random.Random(f"{self.split}-{index}")
         length = rng.choice(self.lengths) if self.lengths else self.seq_len
-        ids, start = encode_sample(task, rng, self.tokenizer, length + 1)  # + 1: inputs and labels are shifted
+        pairs = rng.choice(self.pairs) if self.pairs else 0
+        # + 1: inputs and labels are shifted
+        ids, start, query = encode_sample(task, rng, self.tokenizer, length + 1, self.split_context, pairs)
         pad = self.seq_len + 1 - len(ids)
         tokens = torch.tensor(ids + [self.tokenizer.eos_id] * pad)
         labels = tokens[1:].clone()
         labels[: start - 1] = IGNORE_INDEX
         labels[len(ids) - 1:] = IGNORE_INDEX
-        return {"input": tokens[:-1], "positions": torch.arange(self.seq_len)}, labels
+        positions = torch.cat([torch.arange(query), torch.arange(self.seq_len - query)])
+        return {"input": tokens[:-1], "positions": positions}, labels
 
     def __iter__(self):
         while self.infinite or self.next_index < self.samples:
@@ -109,12 +144,16 @@ class TaskDataLoader(ParallelAwareDataloader):
         seed: int = 0
         validation: bool = False
         samples: int = 64  # per epoch when not infinite (validation)
+        split_context: bool = False  # rows of two documents, context | query + answer (a prefix memory's)
+        pairs: str = ""  # comma-separated kv_retrieval pair counts, one drawn per sample; "": fill the row
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
         lengths = tuple(int(n) for n in config.lengths.split(",") if n)
+        pairs = tuple(int(n) for n in config.pairs.split(",") if n)
         dataset = TaskDataset(config.tasks.split(","), tokenizer, seq_len, config.seed, config.validation,
-                              config.infinite, config.samples, dp_rank, dp_world_size, lengths)
+                              config.infinite, config.samples, dp_rank, dp_world_size, lengths,
+                              config.split_context, pairs)
         super().__init__(
             dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
             num_workers=config.num_workers, persistent_workers=config.persistent_workers,

@@ -222,11 +222,17 @@ class DecoderLM(nn.Module):
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
         rope_positions = positions if positions is not None else torch.arange(
             tokens.shape[1], device=tokens.device).expand_as(tokens)
-        h = self.tok_embeddings(tokens)
+        h = self.decode(self.tok_embeddings(tokens), rope_positions, positions)
+        return h if self._skip_lm_head else self.lm_head(h)
+
+    def decode(self, h: torch.Tensor, rope_positions: torch.Tensor, positions: torch.Tensor | None = None):
+        """Input embeddings h (B, L, dim) -> final-normed hidden states (B, L, dim): the
+        blocks and the last norm; rope_positions (B, L), positions (B, L) for the document
+        mask or None (one sequence per row). Prefix memories (GradMem) call it on
+        embeddings that are not token embeddings."""
         for block in self.layers.values():
             h = block(h, rope_positions, positions)
-        h = self.norm(h)
-        return h if self._skip_lm_head else self.lm_head(h)
+        return self.norm(h)
 
 
 def config_from_hf(hf: dict) -> DecoderLMConfig:

@@ -1,0 +1,169 @@
+"""GradMem (paper 001, Kuratov et al., "GradMem: learning to write context into memory with
+test-time gradient descent"): m prefix vectors written by K steps of gradient descent on a
+context-reconstruction loss, then read as the prefix of the query; the context itself is
+never seen by the read.
+
+Section 2.1 and appendix C, with the authors' public code's choices where the paper is silent:
+- Memory M in R^{m x d}: a meta-learned initialisation M_0 ~ N(0, 0.02), copied per sample.
+  The memory is float32 whatever the model's dtype (it is cast to the embeddings' dtype when
+  prepended).
+- WRITE, eq. (1) by gradient descent: M_{k+1} = M_k - alpha grad_M L_write(M_k; C), k < K, with
+  L_write(M; C) = mean_i -log f(c_i | [P(M); c_<i]) over the sample's N context tokens (the last
+  memory slot predicts c_1). The paper writes a sum; the per-sample mean (the public code's)
+  keeps alpha independent of the context length. The samples' losses are summed before the
+  gradient, so each sample's memory is its own (batch-independent).
+- P: an optional learned d x d linear map on the memory (identity weight, zero bias), in WRITE
+  and READ (appendix C; off in the public KV-retrieval runs, so off by default).
+- WRITE head: the write loss's logits come from W_lm + Delta with Delta zero-initialised: a
+  separate head "initialised from the LM head" (appendix C) that stays so when a pretrained
+  head is loaded over the init (a copy taken at init would hold the random head). Where the LM
+  head trains too (from scratch) the write head follows it, plus its own Delta.
+- READ, eq. (2): [P(M_K); query tokens] from position 0 -> their final-normed hidden states.
+- Meta-learning: with gradients enabled the inner gradients keep their graph (create_graph),
+  so the outer loss reaches theta and M_0 through all K steps (second order). With gradients
+  off (evaluation) the write still differentiates the reconstruction loss w.r.t. the memory,
+  and nothing else.
+- Forward WRITE (the paper's RMT baseline, Table 1): M_{k+1} = the final-normed hidden states
+  of the m trailing memory tokens of [P(M_k); C; P(M_k)] (their positions follow each row's
+  context); K forward writes are the table's "xK memory updates".
+- The write runs SDPA's math backend: the fused kernels (CPU flash, CUDA flash / flex) have no
+  double backward. The read is differentiated once and keeps the fast kernels.
+
+Host model: `tok_embeddings`, `decode(embeddings, rope_positions)` (the blocks and the final
+norm) and `lm_head` (`models/lms/gradmem.py`'s `GradMemLM`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import sdpa_kernel, SDPBackend
+
+WRITES = ("gradient", "forward")
+
+
+@dataclass
+class GradMemConfig:
+    n_mem: int = 8  # m: memory vectors (Table 4: 8 for KV-retrieval)
+    write_steps: int = 2  # K: gradient steps (or forward writes) per context
+    inner_lr: float = 0.04  # alpha (the public KV-retrieval runs: K = 2, alpha = 0.04)
+    write: str = "gradient"  # "gradient" (GradMem) | "forward" (the RMT baseline)
+    memory_projection: bool = False  # P, appendix C (i)
+    write_head: bool = True  # a separate WRITE head, appendix C (ii)
+    init_std: float = 0.02  # M_0 ~ N(0, init_std)
+
+    def __post_init__(self):
+        if self.write not in WRITES:
+            raise ValueError(f"GradMem write '{self.write}' unknown: choose one of {WRITES}")
+        if self.n_mem < 1:
+            raise ValueError(f"GradMem n_mem {self.n_mem}: the memory needs at least one vector (m >= 1)")
+        if self.write_steps < 1:
+            raise ValueError(f"GradMem write_steps {self.write_steps}: the WRITE needs at least one step (K >= 1)")
+        if self.write == "gradient" and not self.inner_lr > 0:
+            raise ValueError(f"GradMem inner_lr {self.inner_lr}: the WRITE step size alpha must be positive")
+
+
+def _positions(batch: int, length: int, device) -> torch.Tensor:
+    return torch.arange(length, device=device).expand(batch, length)
+
+
+class GradMem(nn.Module):
+    """The memory's learned pieces (M_0, P, the WRITE head's Delta) and its WRITE / READ
+    (module docstring); the host model is passed to each call."""
+
+    def __init__(self, dim: int, vocab_size: int, cfg: GradMemConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.memory_init = nn.Parameter(torch.empty(cfg.n_mem, dim))
+        self.memory_proj = nn.Linear(dim, dim) if cfg.memory_projection else None
+        uses_head = cfg.write_head and cfg.write == "gradient"
+        self.memory_write_head = nn.Parameter(torch.empty(vocab_size, dim)) if uses_head else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """M_0 ~ N(0, init_std), P = identity (zero bias), Delta = 0."""
+        with torch.no_grad():
+            nn.init.normal_(self.memory_init, std=self.cfg.init_std)
+            if self.memory_proj is not None:
+                nn.init.eye_(self.memory_proj.weight)
+                nn.init.zeros_(self.memory_proj.bias)
+            if self.memory_write_head is not None:
+                nn.init.zeros_(self.memory_write_head)
+
+    def initial(self, batch: int) -> torch.Tensor:
+        """M_0 for `batch` samples: (batch, m, d), float32."""
+        return self.memory_init.float().expand(batch, -1, -1)
+
+    def prefix(self, memory: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """P(M) as input embeddings: memory (B, m, d) float32 -> (B, m, d) in `dtype`."""
+        x = memory.to(dtype)
+        return self.memory_proj(x) if self.memory_proj is not None else x
+
+    def reconstruction_loss(self, host, memory: torch.Tensor, context: torch.Tensor, lengths: torch.Tensor,
+                            context_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """L_write(M; C) per sample: memory (B, m, d), context (B, N) token ids right-padded
+        past `lengths` (B,) -> (B,) float32 mean NLL of each sample's context tokens under the
+        WRITE head. `context_emb`: the context's embeddings when already computed."""
+        batch, n = context.shape
+        m = memory.shape[1]
+        emb = host.tok_embeddings(context) if context_emb is None else context_emb
+        h = host.decode(torch.cat([self.prefix(memory, emb.dtype), emb], 1), _positions(batch, m + n, emb.device))
+        h = h[:, m - 1 : m + n - 1]
+        logits = host.lm_head(h)
+        if self.memory_write_head is not None:
+            logits = logits + F.linear(h, self.memory_write_head.to(h.dtype))
+        nll = F.cross_entropy(logits.float().transpose(1, 2), context, reduction="none")
+        valid = (torch.arange(n, device=context.device) < lengths[:, None]).float()
+        return (nll * valid).sum(1) / valid.sum(1)
+
+    def write(self, host, context: torch.Tensor, lengths: torch.Tensor,
+              steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """WRITE, eq. (1): context (B, N) right-padded past `lengths` (B,) -> (M_K (B, m, d)
+        float32, the write losses L_write(M_k; C) of the gradient steps k = 0..K-1 (K, B);
+        (0, B) for the forward write). `steps`: K for this call (default the config's)."""
+        steps = steps or self.cfg.write_steps
+        emb = host.tok_embeddings(context)
+        memory = self.initial(context.shape[0])
+        with sdpa_kernel([SDPBackend.MATH]):
+            if self.cfg.write == "forward":
+                return self._forward_write(host, memory, emb, lengths, steps), emb.new_zeros(0, len(context)).float()
+            return self._gradient_write(host, memory, emb, context, lengths, steps)
+
+    def _gradient_write(self, host, memory, emb, context, lengths, steps):
+        meta_learning = torch.is_grad_enabled()
+        losses = []
+        with torch.enable_grad():
+            if not meta_learning:
+                memory, emb = memory.detach().clone().requires_grad_(), emb.detach()
+            for _ in range(steps):
+                loss = self.reconstruction_loss(host, memory, context, lengths, emb)
+                (grad,) = torch.autograd.grad(loss.sum(), memory, create_graph=meta_learning)
+                memory = memory - self.cfg.inner_lr * grad
+                if not meta_learning:
+                    memory, loss = memory.detach().requires_grad_(), loss.detach()
+                losses.append(loss)
+        return (memory if meta_learning else memory.detach()), torch.stack(losses)
+
+    def _forward_write(self, host, memory, emb, lengths, steps):
+        batch, n, dim = emb.shape
+        m = memory.shape[1]
+        rows = torch.arange(batch, device=emb.device)[:, None].expand(batch, m)
+        slots = (m + lengths)[:, None] + torch.arange(m, device=emb.device)  # (B, m): right after each context
+        for _ in range(steps):
+            p = self.prefix(memory, emb.dtype)
+            x = torch.cat([p, emb, p.new_zeros(batch, m, dim)], 1).index_put((rows, slots), p)
+            h = host.decode(x, _positions(batch, n + 2 * m, emb.device))
+            memory = h.gather(1, slots[..., None].expand(-1, -1, dim)).float()
+        return memory
+
+    def read(self, host, memory: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """READ, eq. (2): memory (B, m, d), tokens (B, R) (query, answer) -> final-normed
+        hidden states of the tokens (B, R, d), positions from 0 at the memory."""
+        emb = host.tok_embeddings(tokens)
+        m = memory.shape[1]
+        h = host.decode(torch.cat([self.prefix(memory, emb.dtype), emb], 1),
+                        _positions(tokens.shape[0], m + tokens.shape[1], emb.device))
+        return h[:, m:]

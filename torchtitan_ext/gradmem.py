@@ -1,0 +1,172 @@
+"""The GradMem family (`models/lms/gradmem.py`): flavors, the outer loss, the checks a run must
+pass, and scoring KV-retrieval from the written memory.
+
+Flavors:
+
+| flavor | what | shape | params |
+| --- | --- | --- | --- |
+| kv | the paper's KV-retrieval model (appendix C, Table 4; the public code's Llama config) | Llama, 4 layers, 4 heads (head_dim 32), dim 128, FFN 512, tied, 70-token character vocabulary, m = 8 | 0.79M + 8.9K write head |
+| kv_debug | CPU debug size | 2 layers, dim 64, FFN 256 | 0.11M |
+| qwen3_debug, llama3_2_1b, qwen3_0_6b | grafted on the pretrained backbones (`torchtitan_ext/backbone.py`) | theirs | theirs + m x dim + the write head |
+
+What the second-order write supports (`check_config`, exit 2 at preflight otherwise):
+- Data parallelism: DDP, not FSDP2 (`parallelize_gradmem`); 1 vs 2 processes from one seed
+  agree (tests/test_gradmem.py).
+- torch.compile: no. AOTAutograd has no double backward, and the write differentiates
+  the blocks' backward; `--compile.enable` is refused.
+- Activation checkpointing: no. torchtitan's checkpoint wrappers recompute a block in the
+  outer backward, but the inner gradient (create_graph) holds references into the block's
+  saved tensors that the recomputation does not restore; `activation-checkpoint:none`.
+- Rows must be [context | query] documents: `--dataloader.split_context` (the configs set it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torchtitan.components.loss import ChunkedLossWrapper, IGNORE_INDEX
+
+from models.lms.gradmem import GradMemLM, GradMemLMConfig
+from torchtitan_ext import backbone
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.families import Family
+from torchtitan_ext.synthetic_tasks import score
+
+KV = dict(vocab_size=70, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=512, tie_embeddings=True,
+          rope_scaling=backbone.LLAMA3_2_ROPE)
+FLAVORS = {
+    "kv": KV,
+    "kv_debug": dict(KV, dim=64, n_layers=2, ffn_hidden=256),
+    **{name: dict(backbone.FLAVORS[name], train_backbone=False) for name in ("qwen3_debug", "llama3_2_1b", "qwen3_0_6b")},
+}
+WRITE_LOSS_WEIGHT = 0.5  # the public KV-retrieval script's inner-loss weight in the outer loss
+
+
+def weighted_write_loss(write_loss: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
+    """weight x sum_i L_write,i x n_i, n_i = sample i's labelled (answer) tokens: divided by the
+    labelled tokens of the batch (torchtitan's normaliser) it is the write loss's batch mean
+    weighted like the read loss, a plain mean when every answer has the same length.
+    write_loss (B,), labels (B, L) -> scalar."""
+    return weight * (write_loss * (labels != IGNORE_INDEX).sum(1)).sum()
+
+
+class GradMemLoss(ChunkedLossWrapper):
+    """The outer objective: the read's cross-entropy on the answer tokens (torchtitan's chunked
+    loss over the hidden states the model returns) + `write_weight` x the write loss of the
+    last inner step (`weighted_write_loss`), both over torchtitan's global token count."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ChunkedLossWrapper.Config):
+        num_chunks: int = 1
+        write_weight: float = WRITE_LOSS_WEIGHT
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        self.write_weight = config.write_weight
+
+    def __call__(self, pred, labels, global_valid_tokens=None, **loss_inputs):
+        hidden, write_loss = pred
+        loss, metrics = super().__call__(hidden, labels, global_valid_tokens, **loss_inputs)
+        extra = weighted_write_loss(write_loss, labels, self.write_weight)
+        if global_valid_tokens is not None:
+            extra = extra / global_valid_tokens
+        return loss + extra, metrics
+
+
+def check_config(config) -> None:
+    """UserError for what the second-order write cannot run under (module docstring)."""
+    from torchtitan_ext.kv_tokenizer import build, kv_tokenizer_dir
+
+    if config.compile.enable:
+        raise UserError("GradMem's write differentiates the model's backward, which torch.compile cannot "
+                        "(no double backward): drop --compile.enable")
+    if config.activation_checkpoint is not None:
+        raise UserError("GradMem's second-order write does not survive activation checkpointing's recomputation: "
+                        "pass activation-checkpoint:none")
+    for name, loader in (("dataloader", config.dataloader), ("validator.dataloader", config.validator.dataloader)):
+        if not getattr(loader, "split_context", False):
+            raise UserError(f"GradMem reads rows of [context | query]: use the task data with --{name}.split_context")
+    if type(config.loss) is not GradMemLoss.Config:
+        raise UserError("GradMem's model returns (hidden states, write loss): use the loss GradMemLoss.Config")
+    if Path(config.hf_assets_path).resolve() == kv_tokenizer_dir().resolve():
+        build()  # the character tokenizer: written on first use
+
+
+def answer_batch(model: GradMemLM, tokenizer, samples: list, new_tokens: int, steps: int | None = None) -> list[str]:
+    """Greedy answers (text) of task samples from the written memory alone: each context is
+    written, each query read with it; samples are batched by query length."""
+    contexts = [tokenizer.encode(s.context, add_bos=True, add_eos=False) for s in samples]
+    queries = [tokenizer.encode(s.query, add_bos=False, add_eos=False) for s in samples]
+    answers: list[str] = [""] * len(samples)
+    for length in sorted({len(q) for q in queries}):
+        group = [i for i, q in enumerate(queries) if len(q) == length]
+        lengths = torch.tensor([len(contexts[i]) for i in group])
+        context = torch.zeros(len(group), int(lengths.max()), dtype=torch.long)
+        for row, i in enumerate(group):
+            context[row, : len(contexts[i])] = torch.tensor(contexts[i])
+        query = torch.tensor([queries[i] for i in group])
+        for row, ids in zip(group, model.generate(context, lengths, query, new_tokens, steps).tolist()):
+            answers[row] = tokenizer.decode(ids)
+    return answers
+
+
+def exact_match(model: GradMemLM, tokenizer, samples: list, steps: int | None = None) -> list[float]:
+    """Per-sample KV-retrieval exact match of the value answered from the memory."""
+    answers = answer_batch(model, tokenizer, samples, 2, steps)
+    return [score("kv_retrieval", a, s.answers) for a, s in zip(answers, samples)]
+
+
+def _sum_gradients(_state, bucket):
+    """DDP comm hook: gradients summed over ranks (torchtitan divides the loss by the global
+    token count itself, as its FSDP2 does with a gradient divide factor of 1)."""
+    import torch.distributed as dist
+
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def parallelize_gradmem(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+    """Data parallelism by DDP (torch's composable `replicate`, gradients summed over ranks);
+    FSDP2 is not used: its backward hooks fire inside the write's inner autograd.grad and the
+    process dies (segmentation fault, torch 2.13; tests/test_gradmem.py). Compile and AC are
+    refused at preflight (`check_config`); tensor / context / pipeline parallelism here."""
+    unsupported = [name for name, on in (("tensor parallel", parallel_dims.tp_enabled),
+                                         ("context parallel", parallel_dims.cp_enabled),
+                                         ("pipeline parallel", parallel_dims.pp_enabled)) if on]
+    if unsupported:
+        raise UserError(f"{', '.join(unsupported)} is not supported for GradMem: use data parallelism only")
+    if parallel_dims.dp_enabled:
+        from torch.distributed._composable import replicate
+
+        replicate(model, device_mesh=parallel_dims.get_mesh("fsdp"))
+        model.register_comm_hook(None, _sum_gradients)
+    return model
+
+
+def gradmem_spec(flavor: str, **overrides):
+    """The family's ModelSpec: the plain-model spec with `parallelize_gradmem`."""
+    from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
+
+    spec = plain_model_spec("gradmem", flavor, torchtitan_model(GradMemLM, GradMemLMConfig),
+                            FAMILY.config(flavor, **overrides), backbone.HFBackboneAdapter)
+    return dataclasses.replace(spec, parallelize_fn=parallelize_gradmem)
+
+
+FAMILY = Family(name="gradmem", summary="GradMem: a prefix memory written by test-time gradient descent (from "
+                "scratch on KV-retrieval, or grafted on a pretrained Llama / Qwen3)", flavors=FLAVORS,
+                config_class=GradMemLMConfig, plain_class=GradMemLM, build_spec=gradmem_spec,
+                state_dict_adapter=backbone.HFBackboneAdapter,
+                check_hf_folder=backbone.FAMILY.check_hf_folder, check_config=check_config)
+model_config, model_spec = FAMILY.config, FAMILY.model_spec
+
+
+def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (exact match over samples)."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * ((p * (1 - p) / trials + z * z / (4 * trials * trials)) ** 0.5) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
