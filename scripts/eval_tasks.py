@@ -15,6 +15,13 @@ finetune is trained on, torchtitan_ext/task_data.py) given the prompt, with a 95
 interval over samples; small models that never answer right still differ there. Writes
 results.json, results.md and tasks_vs_context.png (one panel per task, one line per model)
 to --out, staged and moved into place at the end; bad input: one line, exit code 2.
+
+`--mode gradmem` (GradMem checkpoints, train_configs.gradmem): KV-retrieval with the context
+removed, as the paper's Table 1: each context of `--pairs` key-value pairs is written into the
+memory with K gradient steps for each K of `--write-steps` (a forward-WRITE checkpoint at its
+own K), the value answered from [memory; query] alone; exact match per number of pairs with a
+95% Wilson interval, GradMem and the forward-only baseline rows in one table
+(gradmem.md / gradmem.json / gradmem.png).
 """
 
 from __future__ import annotations
@@ -111,6 +118,76 @@ def run(args: argparse.Namespace) -> dict:
     return {"tasks": tasks, "context_lengths": lengths, "samples": args.samples, "runs": runs}
 
 
+def run_gradmem(args: argparse.Namespace) -> dict:
+    """Exact match from the written memory per (checkpoint, K) and number of pairs."""
+    from models.lms.gradmem import GradMemLM
+    from torchtitan_ext.gradmem import exact_match, wilson_interval
+    from torchtitan_ext.synthetic_tasks import kv_pairs
+    from torchtitan_ext.tokenizer import AssetsTokenizer
+
+    count = len(args.checkpoint)
+    if any(m != "gradmem" for m in per_checkpoint(args.mode, count, "--mode", "gradmem")):
+        raise UserError("--mode gradmem evaluates GradMem checkpoints only: give it to every --checkpoint")
+    pairs = [int(n) for n in args.pairs.split(",")]
+    steps = [int(k) for k in args.write_steps.split(",")]
+    if min(pairs) < 1 or min(steps) < 1:
+        raise UserError("--pairs and --write-steps take counts of at least 1 (K = 0 writes nothing)")
+    configs, labels = per_checkpoint(args.config, count, "--config"), per_checkpoint(args.label, count, "--label")
+    rows = []
+    for checkpoint, config, label in zip(args.checkpoint, configs, labels):
+        entry, folder = load_entry(checkpoint, config, "full", label, None, None)
+        model = entry.model
+        if not isinstance(model, GradMemLM):
+            raise UserError(f"{entry.label} is not a GradMem model: --mode gradmem needs a train_configs.gradmem config")
+        tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=folder)
+        write = model.gradmem.cfg.write
+        for k in (steps if write == "gradient" else [model.gradmem.cfg.write_steps]):
+            cells = []
+            for n in pairs:
+                rng = random.Random(f"{args.seed}-gradmem-kv-{n}")
+                samples = [kv_pairs(rng, n) for _ in range(args.samples)]
+                longest = max(len(tokenizer.encode(s.context + s.query, add_bos=True, add_eos=False)) for s in samples)
+                if longest + model.gradmem.cfg.n_mem + 4 > entry.max_seq_len:
+                    raise UserError(f"{n} pairs take {longest} tokens, more than {entry.label}'s max_seq_len "
+                                    f"{entry.max_seq_len} holds with its memory: use fewer --pairs")
+                scores = []
+                for start in range(0, len(samples), 64):
+                    scores += exact_match(model, tokenizer, samples[start:start + 64], k)
+                cells.append({"pairs": n, "em": sum(scores) / len(scores),
+                              "ci": wilson_interval(sum(scores), len(scores))})
+            rows.append({"label": entry.label, "write": write, "k": k, "cells": cells})
+    return {"pairs": pairs, "samples": args.samples, "rows": rows}
+
+
+def gradmem_markdown(results: dict) -> str:
+    pairs = results["pairs"]
+    lines = [f"KV-retrieval exact match (%) from the memory alone, {results['samples']} samples per cell "
+             "(95% Wilson interval).", "", "| model | WRITE | K | " + " | ".join(map(str, pairs)) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in pairs) + " |"]
+    for row in results["rows"]:
+        cells = [f"{100 * c['em']:.1f} ({100 * c['ci'][0]:.1f}-{100 * c['ci'][1]:.1f})" for c in row["cells"]]
+        lines.append(f"| {row['label']} | {row['write']} | {row['k']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def gradmem_plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in results["rows"]:
+        ax.plot(results["pairs"], [100 * c["em"] for c in row["cells"]], marker="o",
+                label=f"{row['label']} ({row['write']}, K={row['k']})")
+    ax.set(xscale="log", xlabel="key-value pairs", ylabel="exact match (%)", ylim=(-3, 103))
+    ax.set_xticks(results["pairs"], [str(n) for n in results["pairs"]])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def markdown(results: dict) -> str:
     lengths = results["context_lengths"]
     lines = [f"Synthetic memory tasks, {results['samples']} samples per cell (kv_retrieval: exact match; niah: "
@@ -157,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", action="append", required=True)
     parser.add_argument("--config", action="append", required=True)
-    parser.add_argument("--mode", action="append", choices=("full", "streaming"))
+    parser.add_argument("--mode", action="append", choices=("full", "streaming", "gradmem"))
+    parser.add_argument("--pairs", default="4,8,16,32,64,96", help="gradmem mode: key-value pairs per context")
+    parser.add_argument("--write-steps", default="1,2,5", help="gradmem mode: K at evaluation (gradient WRITE)")
     parser.add_argument("--label", action="append")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--context-lengths", default="1024,2048,4096")
@@ -167,6 +246,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
+        if args.mode and "gradmem" in args.mode:
+            results = run_gradmem(args)
+            with staged_folder(args.out) as staging:
+                (staging / "gradmem.json").write_text(json.dumps(results, indent=2))
+                (staging / "gradmem.md").write_text(gradmem_markdown(results))
+                gradmem_plot(results, staging / "gradmem.png")
+            print(gradmem_markdown(results))
+            return
         results = run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,6 +23,7 @@ What the second-order write supports (`check_config`, exit 2 at preflight otherw
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from torchtitan_ext.families import Family
 from torchtitan_ext.synthetic_tasks import score
 
 KV = dict(vocab_size=70, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=512, tie_embeddings=True,
-          rope_scaling=backbone.LLAMA3_2_ROPE)
+          rope_scaling=backbone.LLAMA3_2_ROPE, max_seq_len=1024)  # 96 pairs take 681 tokens
 FLAVORS = {
     "kv": KV,
     "kv_debug": dict(KV, dim=64, n_layers=2, ffn_hidden=256),
@@ -91,8 +92,22 @@ def check_config(config) -> None:
             raise UserError(f"GradMem reads rows of [context | query]: use the task data with --{name}.split_context")
     if type(config.loss) is not GradMemLoss.Config:
         raise UserError("GradMem's model returns (hidden states, write loss): use the loss GradMemLoss.Config")
+    model = config.model_spec.model.model
+    seq_len = config.training.seq_len
+    if seq_len + model.gradmem.n_mem > model.max_seq_len:
+        raise UserError(f"a row of {seq_len} tokens after {model.gradmem.n_mem} memory vectors exceeds the model's "
+                        f"max_seq_len {model.max_seq_len}: pass --training.seq_len "
+                        f"{model.max_seq_len - model.gradmem.n_mem} or less")
     if Path(config.hf_assets_path).resolve() == kv_tokenizer_dir().resolve():
         build()  # the character tokenizer: written on first use
+    loader = config.dataloader
+    if loader.pairs:  # the largest sample must fit a row
+        from torchtitan_ext.task_data import encode_sample
+        from torchtitan_ext.tokenizer import AssetsTokenizer
+
+        tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=config.hf_assets_path)
+        pairs = max(int(n) for n in loader.pairs.split(","))
+        encode_sample("kv_retrieval", random.Random(0), tokenizer, seq_len + 1, True, pairs)
 
 
 def answer_batch(model: GradMemLM, tokenizer, samples: list, new_tokens: int, steps: int | None = None) -> list[str]:

@@ -66,6 +66,11 @@ class GradMemConfig:
             raise ValueError(f"GradMem inner_lr {self.inner_lr}: the WRITE step size alpha must be positive")
 
 
+def _state(x: torch.Tensor) -> torch.Tensor:
+    """x as memory state: float32, or float64 when x is (exactness checks)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _positions(batch: int, length: int, device) -> torch.Tensor:
     return torch.arange(length, device=device).expand(batch, length)
 
@@ -95,7 +100,7 @@ class GradMem(nn.Module):
 
     def initial(self, batch: int) -> torch.Tensor:
         """M_0 for `batch` samples: (batch, m, d), float32."""
-        return self.memory_init.float().expand(batch, -1, -1)
+        return _state(self.memory_init).expand(batch, -1, -1)
 
     def prefix(self, memory: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """P(M) as input embeddings: memory (B, m, d) float32 -> (B, m, d) in `dtype`."""
@@ -115,7 +120,7 @@ class GradMem(nn.Module):
         logits = host.lm_head(h)
         if self.memory_write_head is not None:
             logits = logits + F.linear(h, self.memory_write_head.to(h.dtype))
-        nll = F.cross_entropy(logits.float().transpose(1, 2), context, reduction="none")
+        nll = F.cross_entropy(_state(logits).transpose(1, 2), context, reduction="none")
         valid = (torch.arange(n, device=context.device) < lengths[:, None]).float()
         return (nll * valid).sum(1) / valid.sum(1)
 
@@ -156,7 +161,7 @@ class GradMem(nn.Module):
             p = self.prefix(memory, emb.dtype)
             x = torch.cat([p, emb, p.new_zeros(batch, m, dim)], 1).index_put((rows, slots), p)
             h = host.decode(x, _positions(batch, n + 2 * m, emb.device))
-            memory = h.gather(1, slots[..., None].expand(-1, -1, dim)).float()
+            memory = _state(h.gather(1, slots[..., None].expand(-1, -1, dim)))
         return memory
 
     def read(self, host, memory: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
