@@ -143,7 +143,8 @@ def _sum_gradients(_state, bucket):
 
 
 def parallelize_gradmem(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
-    """Data parallelism by DDP (torch's composable `replicate`, gradients summed over ranks);
+    """Data parallelism by DDP (torch's composable `replicate`, static graph: the chunked loss
+    and the write both reach the LM head, gradients summed over ranks);
     FSDP2 is not used: its backward hooks fire inside the write's inner autograd.grad and the
     process dies (segmentation fault, torch 2.13; tests/test_gradmem.py). Compile and AC are
     refused at preflight (`check_config`); tensor / context / pipeline parallelism here."""
@@ -155,7 +156,7 @@ def parallelize_gradmem(model, *, parallel_dims, training, parallelism, compile_
     if parallel_dims.dp_enabled:
         from torch.distributed._composable import replicate
 
-        replicate(model, device_mesh=parallel_dims.get_mesh("fsdp"))
+        replicate(model, device_mesh=parallel_dims.get_mesh("fsdp"), static_graph=True)
         model.register_comm_hook(None, _sum_gradients)
     return model
 
