@@ -121,8 +121,7 @@ def run(args: argparse.Namespace) -> dict:
 def run_gradmem(args: argparse.Namespace) -> dict:
     """Exact match from the written memory per (checkpoint, K) and number of pairs."""
     from models.lms.gradmem import GradMemLM
-    from torchtitan_ext.gradmem import exact_match, wilson_interval
-    from torchtitan_ext.synthetic_tasks import kv_pairs
+    from torchtitan_ext.gradmem import kv_cell
     from torchtitan_ext.tokenizer import AssetsTokenizer
 
     count = len(args.checkpoint)
@@ -142,19 +141,7 @@ def run_gradmem(args: argparse.Namespace) -> dict:
         tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=folder)
         write = model.gradmem.cfg.write
         for k in (steps if write == "gradient" else [model.gradmem.cfg.write_steps]):
-            cells = []
-            for n in pairs:
-                rng = random.Random(f"{args.seed}-gradmem-kv-{n}")
-                samples = [kv_pairs(rng, n) for _ in range(args.samples)]
-                longest = max(len(tokenizer.encode(s.context + s.query, add_bos=True, add_eos=False)) for s in samples)
-                if longest + model.gradmem.cfg.n_mem + 4 > entry.max_seq_len:
-                    raise UserError(f"{n} pairs take {longest} tokens, more than {entry.label}'s max_seq_len "
-                                    f"{entry.max_seq_len} holds with its memory: use fewer --pairs")
-                scores = []
-                for start in range(0, len(samples), 64):
-                    scores += exact_match(model, tokenizer, samples[start:start + 64], k)
-                cells.append({"pairs": n, "em": sum(scores) / len(scores),
-                              "ci": wilson_interval(sum(scores), len(scores))})
+            cells = [kv_cell(model, tokenizer, n, k, args.samples, args.seed) for n in pairs]
             rows.append({"label": entry.label, "write": write, "k": k, "cells": cells})
     return {"pairs": pairs, "samples": args.samples, "rows": rows}
 
@@ -178,8 +165,11 @@ def gradmem_plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for row in results["rows"]:
-        ax.plot(results["pairs"], [100 * c["em"] for c in row["cells"]], marker="o",
-                label=f"{row['label']} ({row['write']}, K={row['k']})")
+        em = [100 * c["em"] for c in row["cells"]]
+        spread = [[max(0.0, e - 100 * c["ci"][0]) for e, c in zip(em, row["cells"])],
+                  [max(0.0, 100 * c["ci"][1] - e) for e, c in zip(em, row["cells"])]]
+        ax.errorbar(results["pairs"], em, yerr=spread, marker="o", capsize=3,
+                    label=f"{row['label']} ({row['write']}, K={row['k']})")
     ax.set(xscale="log", xlabel="key-value pairs", ylabel="exact match (%)", ylim=(-3, 103))
     ax.set_xticks(results["pairs"], [str(n) for n in results["pairs"]])
     ax.legend(fontsize=7)

@@ -1,4 +1,5 @@
-"""Checks every memory graft's tests share (tests/test_memory_llama.py, tests/test_mone.py):
+"""Checks every memory graft's tests share (tests/test_memory_llama.py, tests/test_mone.py,
+tests/test_gradmem.py):
 frozen backbone and graft-only optimizer state of a finetune, remote-code export, the
 compiled block, and 1-vs-2-process / full-AC runs from one seed checkpoint."""
 
@@ -11,7 +12,7 @@ import torch
 CONFIG_MODULE = "train_configs.backbone"
 
 
-def trained_from_hf(config: str, step, hf_folder):
+def trained_from_hf(config: str, step, hf_folder, module: str = CONFIG_MODULE):
     """The finetune's model at checkpoint `step`, having checked that every backbone tensor is
     the Hugging Face folder's bit for bit and the optimizer holds exactly the trainable
     (graft) tensors, LoRA factors and `memory*`."""
@@ -20,7 +21,7 @@ def trained_from_hf(config: str, step, hf_folder):
     from torchtitan_ext.backbone import load_hf_backbone
     from torchtitan_ext.checkpoints import build_model, load_dcp_model
 
-    model, _ = build_model(CONFIG_MODULE, config)
+    model, _ = build_model(module, config)
     load_dcp_model(model, step)
     state, hf_state = model.state_dict(), load_hf_backbone(hf_folder).state_dict()
     assert all(torch.equal(state[key], value) for key, value in hf_state.items())  # frozen means frozen

@@ -31,10 +31,11 @@ import torch
 from torchtitan.components.loss import ChunkedLossWrapper, IGNORE_INDEX
 
 from models.lms.gradmem import GradMemLM, GradMemLMConfig
+from models.memory.gradmem import gradmem_diagnostics
 from torchtitan_ext import backbone
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family
-from torchtitan_ext.synthetic_tasks import score
+from torchtitan_ext.synthetic_tasks import kv_pairs, score
 
 KV = dict(vocab_size=70, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=512, tie_embeddings=True,
           rope_scaling=backbone.LLAMA3_2_ROPE, max_seq_len=1024)  # 96 pairs take 681 tokens
@@ -134,6 +135,33 @@ def exact_match(model: GradMemLM, tokenizer, samples: list, steps: int | None = 
     return [score("kv_retrieval", a, s.answers) for a, s in zip(answers, samples)]
 
 
+def kv_cell(model: GradMemLM, tokenizer, pairs: int, steps: int, samples: int, seed: int | str,
+            batch: int = 64) -> dict:
+    """One cell of the exact-match table: `samples` held-out KV-retrieval samples of `pairs`
+    pairs (drawn from `seed`), written with `steps` WRITE steps and answered from the memory ->
+    {"pairs", "em", "ci" (95% Wilson interval), "write_loss" (mean final L_write; None for the
+    forward write)}."""
+    rng = random.Random(f"{seed}-gradmem-kv-{pairs}")
+    items = [kv_pairs(rng, pairs) for _ in range(samples)]
+    longest = max(len(tokenizer.encode(s.context + s.query, add_bos=True, add_eos=False)) for s in items)
+    if longest + model.gradmem.cfg.n_mem + 4 > model.cfg.max_seq_len:
+        raise UserError(f"{pairs} pairs take {longest} tokens, more than the model's max_seq_len "
+                        f"{model.cfg.max_seq_len} holds with its memory: use fewer pairs")
+    scores: list[float] = []
+    for start in range(0, samples, batch):
+        scores += exact_match(model, tokenizer, items[start:start + batch], steps)
+    write_loss = None
+    if model.gradmem.cfg.write == "gradient":
+        context = [tokenizer.encode(s.context, add_bos=True, add_eos=False) for s in items[:batch]]
+        lengths = torch.tensor([len(c) for c in context])
+        tokens = torch.tensor([c + [0] * (int(lengths.max()) - len(c)) for c in context])
+        memory, _ = model.write(tokens, lengths, steps)
+        with torch.no_grad():
+            write_loss = model.write_loss(memory, tokens, lengths).mean().item()
+    return {"pairs": pairs, "em": sum(scores) / len(scores), "ci": wilson_interval(sum(scores), len(scores)),
+            "write_loss": write_loss}
+
+
 def _sum_gradients(_state, bucket):
     """DDP comm hook: gradients summed over ranks (torchtitan divides the loss by the global
     token count itself, as its FSDP2 does with a gradient divide factor of 1)."""
@@ -174,7 +202,8 @@ FAMILY = Family(name="gradmem", summary="GradMem: a prefix memory written by tes
                 "scratch on KV-retrieval, or grafted on a pretrained Llama / Qwen3)", flavors=FLAVORS,
                 config_class=GradMemLMConfig, plain_class=GradMemLM, build_spec=gradmem_spec,
                 state_dict_adapter=backbone.HFBackboneAdapter,
-                check_hf_folder=backbone.FAMILY.check_hf_folder, check_config=check_config)
+                check_hf_folder=backbone.FAMILY.check_hf_folder, check_config=check_config,
+                diagnostics=gradmem_diagnostics)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec
 
 

@@ -86,6 +86,7 @@ class GradMem(nn.Module):
         self.memory_proj = nn.Linear(dim, dim) if cfg.memory_projection else None
         uses_head = cfg.write_head and cfg.write == "gradient"
         self.memory_write_head = nn.Parameter(torch.empty(vocab_size, dim)) if uses_head else None
+        self.last_stats: dict[str, torch.Tensor] = {}  # of the last write (`_record`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -131,11 +132,25 @@ class GradMem(nn.Module):
         (0, B) for the forward write). `steps`: K for this call (default the config's)."""
         steps = steps or self.cfg.write_steps
         emb = host.tok_embeddings(context)
-        memory = self.initial(context.shape[0])
+        initial = self.initial(context.shape[0])
         with sdpa_kernel([SDPBackend.MATH]):
             if self.cfg.write == "forward":
-                return self._forward_write(host, memory, emb, lengths, steps), emb.new_zeros(0, len(context)).float()
-            return self._gradient_write(host, memory, emb, context, lengths, steps)
+                memory = self._forward_write(host, initial, emb, lengths, steps)
+                losses = emb.new_zeros(0, len(context)).float()
+            else:
+                memory, losses = self._gradient_write(host, initial, emb, context, lengths, steps)
+        self._record(initial, memory, losses)
+        return memory, losses
+
+    def _record(self, initial: torch.Tensor, memory: torch.Tensor, losses: torch.Tensor) -> None:
+        """`last_stats` of this write (detached, batch means): update_ratio = |M_K - M_0| / |M_0|
+        per sample (Frobenius); write_loss_first / write_loss_last = L_write(M_0) and
+        L_write(M_{K-1}) of the gradient steps."""
+        with torch.no_grad():
+            change = (memory - initial).flatten(1).norm(dim=1) / initial.flatten(1).norm(dim=1)
+            self.last_stats = {"update_ratio": change.mean()}
+            if losses.shape[0]:
+                self.last_stats |= {"write_loss_first": losses[0].mean(), "write_loss_last": losses[-1].mean()}
 
     def _gradient_write(self, host, memory, emb, context, lengths, steps):
         meta_learning = torch.is_grad_enabled()
@@ -172,3 +187,9 @@ class GradMem(nn.Module):
         h = host.decode(torch.cat([self.prefix(memory, emb.dtype), emb], 1),
                         _positions(tokens.shape[0], m + tokens.shape[1], emb.device))
         return h[:, m:]
+
+
+def gradmem_diagnostics(model: nn.Module) -> dict[str, float]:
+    """`memory/gradmem/...`: the `last_stats` of the GradMem module's last write (found through wrappers)."""
+    return {f"memory/gradmem/{key}": float(value) for module in model.modules() if isinstance(module, GradMem)
+            for key, value in module.last_stats.items()}
