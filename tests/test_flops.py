@@ -1,5 +1,6 @@
 """The FLOP counts behind the logged MFU (torchtitan_ext/flops.py) agree with torch's
-FlopCounterMode over one training step (forward + backward) of each debug model, within 10%.
+FlopCounterMode over one training step (forward + backward) of each debug model, within 10%
+(GradMem's second-order step too).
 
 FlopCounterMode counts matmul-like ops only (mm, bmm, addmm, convolution, attention), as
 our count does. Two adjustments: it counts a grouped convolution's backward as if the
@@ -16,19 +17,20 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from models.lms.gradmem import GradMemLM
 from models.lms.mela import Mela
 from models.backbones.decoder_lm import DecoderLM
 from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
-from torchtitan_ext import backbone, flops, mela, titans
+from torchtitan_ext import backbone, flops, gradmem, mela, titans
 from torchtitan_ext.families import families
 
 # seq_len per family: Titans at its window (64 = 4 memory chunks of 16), Mela at 4 decoder
-# chunks of P * C = 64, the MLP-FFN LM at 128.
+# chunks of P * C = 64, the MLP-FFN LM at 128. GradMem's rows are [context | read]: its own test below.
 SEQ_LEN = {"titans": 64, "mela": 256, "mlp_lm": 128, "backbone": 128}
 # (model class, plain config, seq_len) of every family with its own count, at its debug flavors.
 CASES = {f"{spec_name}_{flavor}": (family.plain_class, family.config(flavor, **overrides), SEQ_LEN[family.name])
-         for family in families().values() if family.flops_per_token
+         for family in families().values() if family.flops_per_token and family.name in SEQ_LEN
          for spec_name, flavor, overrides in family.specs() if flavor.endswith("debug")} | {
     "backbone_qwen3_debug_lora": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(kind="lora")), 128),
     "backbone_llama_debug_memoryllama": (DecoderLM, backbone.model_config("llama_debug", graft=GraftConfig(
@@ -78,3 +80,30 @@ def test_torchtitan_reads_the_count():
         model = spec.build()
     _, per_token = spec.get_nparams_and_flops(model, 64)
     assert per_token == flops.titans(spec.model, 64)
+
+
+GRADMEM = {
+    "gradient_k1": gradmem.model_config("kv_debug", gradmem={"write_steps": 1}),
+    "gradient_k2": gradmem.model_config("kv_debug"),
+    "gradient_k2_no_write_head": gradmem.model_config("kv_debug", gradmem={"write_head": False}),
+    "forward_k2": gradmem.model_config("kv_debug", gradmem={"write": "forward"}),
+    "grafted_lora_frozen_backbone": gradmem.model_config("qwen3_debug", graft=GraftConfig(kind="lora")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRADMEM))
+def test_gradmem_count_matches_flop_counter_over_a_training_step(name):
+    """A 16-pair KV row (114 context + 7 read tokens) through the write (second order for the
+    gradient WRITE), the read and the outer backward: the row count within 1%, the seq_len
+    count (the row taken as all context) within 10%."""
+    config, context, read = GRADMEM[name], 114, 7
+    torch.manual_seed(0)
+    model = GradMemLM(config)
+    tokens = torch.randint(0, config.vocab_size, (1, context + read))
+    positions = torch.cat([torch.arange(context), torch.arange(read)])[None]
+    with FlopCounterMode(display=False, custom_mapping=flops.CPU_ATTENTION_FLOPS) as counter:
+        logits, write_loss = model(tokens, positions)
+        (logits.logsumexp(-1).mean() + write_loss.sum()).backward()
+    measured = counter.get_total_flops() / (context + read)
+    assert abs(flops.gradmem_row(config, context, read) / measured - 1) < 0.01
+    assert abs(flops.training_flops_per_token(config, context + read, 0) / measured - 1) < 0.1

@@ -22,6 +22,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 from models.backbones.decoder_lm import DecoderLMConfig
 from models.grafts.graft import graft_layers
 from models.grafts.memory_llama import memory_config
+from models.lms.gradmem import GradMemLMConfig
 from models.lms.mela import MelaConfig
 from models.lms.mlp_lm import MLPLMConfig
 from models.memory.neural_memory import NeuralMemoryConfig
@@ -100,24 +101,35 @@ def mlp_lm(cfg: MLPLMConfig, seq_len: int) -> float:
     return TRAIN * (cfg.n_layers * block + linear(d, cfg.vocab_size))
 
 
+def decoder_block_linears(cfg: DecoderLMConfig) -> float:
+    """One token through one decoder block's GQA projections (explicit head_dim) and SwiGLU FFN."""
+    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return 2 * linear(d, q) + 2 * linear(d, kv) + 3 * linear(d, cfg.ffn_hidden)
+
+
+def lora(cfg: DecoderLMConfig) -> float:
+    """One token through every LoRA factor of the graft (0 without LoRA)."""
+    graft = cfg.graft
+    if graft.lora is None:
+        return 0.0
+    d, q, kv, r = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, graft.lora.rank
+    shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, cfg.ffn_hidden),
+              "up": (d, cfg.ffn_hidden), "down": (cfg.ffn_hidden, d)}
+    per_block = sum(linear(shapes[t][0], r) + linear(r, shapes[t][1]) for t in graft.lora.targets)
+    return per_block * len(graft_layers(graft.lora_layers or graft.layers, cfg.n_layers))
+
+
 def decoder_lm(cfg: DecoderLMConfig, seq_len: int) -> float:
     """Per token: the backbone's GQA projections (explicit head_dim) and span, SwiGLU FFN,
     output head, and what a graft adds: LoRA factors; a MemoryLlama block's memory (write,
     the read of m and the read of h), W_DP and W_g, its chunked attention attending over
     (seq_len + chunk) / 2 keys on average (what the chunk-by-chunk attention computes) in
     place of the block's seq_len; the last chunk's Newton-Schulz write runs forward only
-    (no later chunk reads it); a MoNe block's (`mone`). A frozen backbone's matmuls count 2x their forward (the
-    activations' gradient is still taken, the weights' is not), trained ones 3x."""
-    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    block = 2 * linear(d, q) + 2 * linear(d, kv) + attention_span(q, seq_len) + 3 * linear(d, cfg.ffn_hidden)
-    graft, added = cfg.graft, 0.0
-    if graft.lora is not None:
-        r = graft.lora.rank
-        shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, cfg.ffn_hidden),
-                  "up": (d, cfg.ffn_hidden), "down": (cfg.ffn_hidden, d)}
-        per_block = sum(linear(shapes[t][0], r) + linear(r, shapes[t][1]) for t in graft.lora.targets)
-        added += per_block * len(graft_layers(graft.lora_layers or graft.layers, cfg.n_layers))
-    backbone = cfg.n_layers * block + linear(d, cfg.vocab_size)
+    (no later chunk reads it); a MoNe block's (`mone`). A frozen backbone's matmuls count 2x
+    their forward (the activations' gradient is still taken, the weights' is not), trained ones 3x."""
+    d, q = cfg.dim, cfg.n_heads * cfg.head_dim
+    graft, added = cfg.graft, lora(cfg)
+    backbone = cfg.n_layers * (decoder_block_linears(cfg) + attention_span(q, seq_len)) + linear(d, cfg.vocab_size)
     if graft.kind == "memoryllama":
         memory = memory_config(d, graft.memory)
         read_h = linear(d, d) + memory_mlp(memory) + linear(d, d)
@@ -205,3 +217,44 @@ def training_flops_per_token(config, seq_len: int, n_params: int) -> float:
 
     count = family_of_config(config).flops_per_token
     return count(config, seq_len) if count else 6.0 * n_params
+
+
+def gradmem(cfg: GradMemLMConfig, seq_len: int) -> float:
+    """Per token of a GradMem row of seq_len tokens, taken as all context (`gradmem_row` with
+    no read tokens: a KV row's query and answer are 9 of its 7n + 9 tokens)."""
+    return gradmem_row(cfg, seq_len, 0)
+
+
+def gradmem_row(cfg: GradMemLMConfig, context: int, read: int) -> float:
+    """Per token of a row of `context` + `read` tokens: K WRITE steps over the context, the
+    read over [M; read tokens], the head over the row. Per token through the backbone: linears
+    `lin`, LoRA `lora`, attention over a span S `att(S)`, the head `head`; in a backward a
+    trained linear counts 2 (activations and weights), a frozen one 1, attention 2.
+    Gradient WRITE, per step over T = m + c tokens (c of them through the heads): the forward
+    (1), the inner gradient w.r.t. the memory (activations only: 1 per linear and head, 2 per
+    attention) and the outer backward through both (the forward's: 2 / 1 per linear, 2 per
+    attention; the inner gradient's double backward, each of its products differentiated in
+    both inputs: 2 / 1 per linear, 4 per attention); the WRITE head's Delta is trained.
+    Forward WRITE, per step over [M; C; M] (2m + c tokens): a trained forward + backward.
+    The read trains as a plain step over its m + r tokens."""
+    m, steps = cfg.gradmem.n_mem, cfg.gradmem.write_steps
+    q = cfg.n_heads * cfg.head_dim
+    trained = 2 if cfg.train_backbone else 1  # backward products of a backbone linear
+    lin, adapters, head = cfg.n_layers * decoder_block_linears(cfg), lora(cfg), linear(cfg.dim, cfg.vocab_size)
+
+    def att(span: float) -> float:
+        return cfg.n_layers * attention_span(q, span)
+
+    def plain_step(span: float) -> float:
+        return (1 + trained) * lin + TRAIN * (adapters + att(span))
+
+    if cfg.gradmem.write == "gradient":
+        span = m + context
+        write_head = head if cfg.gradmem.write_head else 0.0
+        per_step = span * ((2 + 2 * trained) * lin + 6 * adapters + 9 * att(span)) + \
+            context * ((2 + 2 * trained) * head + 6 * write_head)
+    else:
+        span = 2 * m + context
+        per_step = span * plain_step(span)
+    row = context + read
+    return (steps * per_step + (m + read) * plain_step(m + read)) / row + (1 + trained) * head

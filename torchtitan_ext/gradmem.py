@@ -32,7 +32,7 @@ from torchtitan.components.loss import ChunkedLossWrapper, IGNORE_INDEX
 
 from models.lms.gradmem import GradMemLM, GradMemLMConfig
 from models.memory.gradmem import gradmem_diagnostics
-from torchtitan_ext import backbone
+from torchtitan_ext import backbone, flops
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family
 from torchtitan_ext.synthetic_tasks import kv_pairs, score
@@ -203,7 +203,7 @@ FAMILY = Family(name="gradmem", summary="GradMem: a prefix memory written by tes
                 config_class=GradMemLMConfig, plain_class=GradMemLM, build_spec=gradmem_spec,
                 state_dict_adapter=backbone.HFBackboneAdapter,
                 check_hf_folder=backbone.FAMILY.check_hf_folder, check_config=check_config,
-                diagnostics=gradmem_diagnostics)
+                diagnostics=gradmem_diagnostics, flops_per_token=flops.gradmem)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec
 
 
