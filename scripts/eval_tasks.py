@@ -171,6 +171,7 @@ def gradmem_plot(results: dict, path: Path) -> None:
         ax.errorbar(results["pairs"], em, yerr=spread, marker="o", capsize=3,
                     label=f"{row['label']} ({row['write']}, K={row['k']})")
     ax.set(xscale="log", xlabel="key-value pairs", ylabel="exact match (%)", ylim=(-3, 103))
+    ax.minorticks_off()
     ax.set_xticks(results["pairs"], [str(n) for n in results["pairs"]])
     ax.legend(fontsize=7)
     fig.tight_layout()

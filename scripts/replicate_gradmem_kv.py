@@ -1,15 +1,20 @@
 """GradMem's Table 1 direction at CPU scale: gradient WRITE against forward WRITE (RMT) on
-KV-retrieval with the context removed, and K = 5 against K = 1 gradient steps.
+KV-retrieval with the context removed, and K = 5 against K = 1 gradient steps. The two runs
+of docs/benchmarks.md "GradMem":
 
-    python scripts/replicate_gradmem_kv.py --out docs/gradmem_kv --flavor kv_debug --seeds 0 \\
-        --stages 1,2,4,8,16 --steps 150,200,400,600,1000 --replay --methods forward:1,gradient:1 \\
-        --eval-pairs 4,8,16,32 --eval-k 1
+    python scripts/replicate_gradmem_kv.py --out docs/gradmem_kv/write_kind --seeds 0,1 \\
+        --methods gradient:1,forward:1 --stages 1,2,4,8,16 --steps 150,200,400,1200,2400 --replay \\
+        --lr 3e-3 --inner-lr 1.0 --eval-pairs 4,8,16,32 --eval-k 1
+    python scripts/replicate_gradmem_kv.py --out docs/gradmem_kv/write_steps --seeds 0,1 \\
+        --methods gradient:5:0.25,gradient:1:1.0 --stages 1,2,4,8 --steps 200,300,800,2000 --replay \\
+        --lr 1e-3 --eval-pairs 4,8,16 --eval-k 1,5
 
-Each method (WRITE kind : training K [: alpha]) trains from scratch on `--flavor` (torchtitan_ext/gradmem.py)
-through a curriculum over the number of pairs (each stage starts from the previous stage's
-weights, as the paper's appendix C; with `--replay` a stage draws each sample's pair count from
-all the stages so far, so the short contexts are not forgotten), with the family's outer loss (read cross-entropy on the
-answer + 0.5 x the last inner step's write loss), AdamW and the task data of the torchtitan
+Each method (WRITE kind : training K [: alpha]) trains from scratch on `--flavor`
+(torchtitan_ext/gradmem.py) through a curriculum over the number of pairs (each stage starts
+from the previous stage's weights, as the paper's appendix C; with `--replay` a stage draws
+each sample's pair count from all the stages so far, so the short contexts are not
+forgotten), with the family's outer loss (read cross-entropy on the answer + 0.5 x the last
+inner step's write loss), AdamW (0.9, 0.95), linear warmup, and the task data of the torchtitan
 path (`TaskDataset`, rows split at the query). The loop is plain torch in one process
 (the same model, data and loss as `bash scripts/train.sh --module train_configs.gradmem`,
 without the launcher's per-run start-up on a 2-core machine). After the last stage, exact
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"{write}:{k} seed {seed} K_eval {k_eval}: EM " +
                     ", ".join(f"{c['pairs']} pairs {c['em']:.3f}" for c in cells))
         for k_eval, runs in per_cell.items():
-            rows.append({"label": f"{write}, trained with K={k}" + (f", alpha {alpha}" if write == "gradient" else ""),
+            rows.append({"label": f"trained with K={k}" + (f", alpha {alpha}" if write == "gradient" else ""),
                          "write": write, "k": k_eval, "k_train": k, "alpha": alpha,
                          "cells": [pooled(list(same), args.samples) for same in zip(*runs)]})
     results = {"flavor": args.flavor, "seeds": seeds, "stages": args.stages, "steps": args.steps,

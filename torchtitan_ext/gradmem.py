@@ -139,8 +139,9 @@ def kv_cell(model: GradMemLM, tokenizer, pairs: int, steps: int, samples: int, s
             batch: int = 64) -> dict:
     """One cell of the exact-match table: `samples` held-out KV-retrieval samples of `pairs`
     pairs (drawn from `seed`), written with `steps` WRITE steps and answered from the memory ->
-    {"pairs", "em", "ci" (95% Wilson interval), "write_loss" (mean final L_write; None for the
-    forward write)}."""
+    {"pairs", "em", "ci" (95% Wilson interval), "write_loss" (L_write(M_K) averaged over the
+    first `batch` samples; None for the forward write)}. UserError when the samples do not fit
+    the model's max_seq_len."""
     rng = random.Random(f"{seed}-gradmem-kv-{pairs}")
     items = [kv_pairs(rng, pairs) for _ in range(samples)]
     longest = max(len(tokenizer.encode(s.context + s.query, add_bos=True, add_eos=False)) for s in items)
