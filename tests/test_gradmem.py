@@ -265,7 +265,8 @@ def test_options_the_write_loop_cannot_take_are_refused(args, message):
 def test_trains_through_torchtitan_and_one_and_two_processes_agree(tmp_path):
     """From one seed checkpoint, 4 steps of gradmem_kv_debug on 1 process and on 2 (DDP, the
     same global batch of 4 split 2 + 2): losses within 1e-4. Then eval_tasks.py --mode gradmem
-    scores the checkpoint per K x pairs and refuses K = 0 (exit 2, nothing written)."""
+    scores the checkpoint per K x pairs and refuses K = 0 and rows past the model's context
+    (exit 2, nothing written)."""
     import shutil
 
     args = ["--module", "train_configs.gradmem", "--config", "gradmem_kv_debug", "--training.steps", "4",
@@ -282,15 +283,19 @@ def test_trains_through_torchtitan_and_one_and_two_processes_agree(tmp_path):
 
     from eval_tasks import main as eval_main
 
-    args = ["--checkpoint", str(one / "checkpoint" / "step-4"), "--config", "train_configs.gradmem:gradmem_kv_debug",
-            "--mode", "gradmem", "--pairs", "4,8", "--write-steps", "1,3", "--samples", "8"]
-    eval_main(args + ["--out", str(tmp_path / "eval")])
+    def scored(out: str, pairs: str = "4,8", steps: str = "1,3") -> None:
+        eval_main(["--checkpoint", str(one / "checkpoint" / "step-4"), "--config", "train_configs.gradmem:gradmem_kv_debug",
+                   "--mode", "gradmem", "--pairs", pairs, "--write-steps", steps, "--samples", "8",
+                   "--out", str(tmp_path / out)])
+
+    scored("eval")
     results = __import__("json").loads((tmp_path / "eval" / "gradmem.json").read_text())
     assert [(r["k"], [c["pairs"] for c in r["cells"]]) for r in results["rows"]] == [(1, [4, 8]), (3, [4, 8])]
     assert all(0 <= c["em"] <= 1 for r in results["rows"] for c in r["cells"])
-    with pytest.raises(SystemExit) as bad:
-        eval_main(args[:-4] + ["--write-steps", "0", "--out", str(tmp_path / "bad")])
-    assert bad.value.code == 2 and not (tmp_path / "bad").exists()
+    for bad_input in ({"steps": "0"}, {"pairs": "200"}):  # K = 0; rows of 1,409 tokens past max_seq_len 1,024
+        with pytest.raises(SystemExit) as bad:
+            scored("bad", **bad_input)
+        assert bad.value.code == 2 and not (tmp_path / "bad").exists()
 
 
 WRITE_AND_READ_IN_PLAIN_TRANSFORMERS = """
