@@ -236,7 +236,8 @@ def gradmem_row(cfg: GradMemLMConfig, context: int, read: int) -> float:
     attention; the inner gradient's double backward, each of its products differentiated in
     both inputs: 2 / 1 per linear, 4 per attention); the WRITE head's Delta is trained.
     Forward WRITE, per step over [M; C; M] (2m + c tokens): a trained forward + backward.
-    The read trains as a plain step over its m + r tokens."""
+    The read trains as a plain step over its m + r tokens. The optional memory projection P
+    (m x d x d per write, off in the KV runs) is not counted."""
     m, steps = cfg.gradmem.n_mem, cfg.gradmem.write_steps
     q = cfg.n_heads * cfg.head_dim
     trained = 2 if cfg.train_backbone else 1  # backward products of a backbone linear
