@@ -60,7 +60,7 @@ def assert_compiled_block_equals_eager(block: torch.nn.Module, x: torch.Tensor, 
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
 
-def seeded_runs_agree(config: str, tmp_path, short: list[str]):
+def assert_seeded_runs_agree(config: str, tmp_path, short: list[str]):
     """From one seed checkpoint, `short` steps on 1 process, 2 processes and 1 with full AC:
     2 processes within 1e-3 of one, full AC within 1e-4; then the seed's frozen tensors are
     unchanged and every graft tensor moved in the 1- and 2-process checkpoints. Returns the

@@ -290,11 +290,11 @@ def test_two_processes_full_ac_and_a_resume_agree_from_one_seed(tmp_path):
     checkpointing within 1e-4, the backbone unchanged, every graft tensor changed; a run
     resumed from step 5 repeats steps 6-10 bit for bit."""
     from conftest import train
-    from graft_checks import seeded_runs_agree
+    from graft_checks import assert_seeded_runs_agree
 
     short = ["--training.steps", "10", "--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
              "--training.global_batch_size", "4", "--checkpoint.interval", "5"]
-    single, one = seeded_runs_agree("mone_debug", tmp_path, short)
+    single, one = assert_seeded_runs_agree("mone_debug", tmp_path, short)
     resumed = tmp_path / "resumed"
     shutil.copytree(one, resumed)
     shutil.rmtree(resumed / "checkpoint" / "step-10")

@@ -44,12 +44,17 @@ def answer_text(task: str, answers: list[str]) -> str:
     return ANSWER_PREFIX[task] + " ".join(answers)
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def with_answer(task: str, sample, prompt: list[int], tokenizer) -> tuple[list[int], int]:
     """(ids of BOS + context + query + answer + EOS, index of the first answer token) of a
     sample whose prompt (BOS + context + query) encodes as `prompt` (module docstring)."""
     full = tokenizer.encode(sample.context + sample.query + answer_text(task, sample.answers), add_bos=True,
                             add_eos=True)
-    return full, next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+    return full, shared_prefix(prompt, full)
 
 
 def split_with_answer(task: str, sample, tokenizer) -> tuple[list[int], int, int]:
@@ -58,8 +63,7 @@ def split_with_answer(task: str, sample, tokenizer) -> tuple[list[int], int, int
     context = tokenizer.encode(sample.context, add_bos=True, add_eos=False)
     query = tokenizer.encode(sample.query, add_bos=False, add_eos=False)
     rest = tokenizer.encode(sample.query + answer_text(task, sample.answers), add_bos=False, add_eos=True)
-    start = next((i for i, (a, b) in enumerate(zip(query, rest)) if a != b), min(len(query), len(rest)))
-    return context + rest, len(context) + start, len(context)
+    return context + rest, len(context) + shared_prefix(query, rest), len(context)
 
 
 def encode_sample(task: str, rng: random.Random, tokenizer, length: int, split_context: bool = False,

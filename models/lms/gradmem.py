@@ -101,8 +101,9 @@ class GradMemLM(DecoderLM):
             raise ValueError("GradMemLM builds its own masks; pass attention_masks=None")
         batch, length = tokens.shape
         starts = query_starts(positions)
-        memory, losses = self.write(tokens[:, : int(starts.max())], starts)
-        steps = torch.arange(length - int(starts.min()), device=tokens.device)
+        first, last = torch.stack(starts.aminmax()).tolist()  # the one host sync
+        memory, losses = self.write(tokens[:, :last], starts)
+        steps = torch.arange(length - first, device=tokens.device)
         read_tokens = tokens.gather(1, (starts[:, None] + steps).clamp(max=length - 1))
         h = self.gradmem.read(self, memory, read_tokens)  # (B, R, dim)
         offsets = torch.arange(length, device=tokens.device) - starts[:, None]  # (B, L): index into the read
