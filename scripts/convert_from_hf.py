@@ -3,8 +3,8 @@
     python scripts/convert_from_hf.py --module train_configs.<family> --config <function> \\
         --hf <dir> --out <dump_folder>/checkpoint/step-0
 
-The folder is one written by convert_to_hf.py, or (Transformer++) any Llama saved by
-`transformers` with the flavor's shapes. The result holds the model weights only, like
+The folder is one written by convert_to_hf.py, or any model saved by `transformers` with the
+flavor's shapes: a Llama (Transformer++), a Llama / Qwen2 / Qwen3 (the pretrained backbone). The result holds the model weights only, like
 torchtitan's seed checkpoints: `bash scripts/train.sh ... --dump_folder <dump_folder>` resumes
 from it. (torchtitan can also read the HF folder itself: `--checkpoint.initial_load_path <dir>
 --checkpoint.initial_load_in_hf`.) Written to a temporary folder, moved into place at the end.

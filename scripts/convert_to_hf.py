@@ -5,7 +5,7 @@ generation_config.json, tokenizer files; remote code for the memory models).
         --checkpoint <dump_folder>/checkpoint/step-N --out <dir> [--max-shard-size 2GB] [--merge-lora]
 
 Transformer++ becomes a standard LlamaForCausalLM, the pretrained backbone a LlamaForCausalLM /
-Qwen3ForCausalLM (a LoRA finetune of it with --merge-lora); MLP-FFN LM, Titans and Mela load with
+Qwen2ForCausalLM / Qwen3ForCausalLM (a LoRA finetune of it with --merge-lora); MLP-FFN LM, Titans and Mela load with
 AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True). See torchtitan_ext/hf_export.py.
 """
 

@@ -1,7 +1,10 @@
-"""The pretrained backbone (models/backbones/decoder_lm.py) against transformers' Llama and
-Qwen3 and torchtitan's llama3 and qwen3, loaded from the same tiny random Hugging Face checkpoints."""
+"""The pretrained backbone (models/backbones/decoder_lm.py) against transformers' Llama, Qwen2
+and Qwen3 and torchtitan's llama3 and qwen3, loaded from the same tiny random Hugging Face checkpoints."""
 
 from __future__ import annotations
+
+import logging
+import re
 
 import pytest
 import torch
@@ -20,23 +23,36 @@ CASES = {
     "llama_tied_rope_scaling": ("llama", dict(num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=True,
                                               rope_scaling=LLAMA3_SCALING)),
     "qwen3_head_dim_32_tied": ("qwen3", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
+    # Qwen2.5-0.5B's settings: q/k/v biases, theta 1e6, eps 1e-6, tied; and an untied one
+    "qwen2_gqa_tied": ("qwen2", dict(num_key_value_heads=2, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                     tie_word_embeddings=True)),
+    "qwen2_untied": ("qwen2", dict(num_key_value_heads=4, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False)),
 }
+ARCHITECTURE_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def hf_checkpoint(case: str, folder):
     """A tiny random transformers model of `case`, saved to `folder`; returns it (fp32, eval)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     kind, fields = CASES[case]
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    config_cls, model_cls = (getattr(transformers, name) for name in ARCHITECTURE_CLASSES[kind])
     torch.manual_seed(0)
     model = model_cls(config_cls(**SHAPE, **fields)).eval()
-    with torch.no_grad():  # norms away from one, so that a missed norm shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_norms_and_biases(model)
     model.save_pretrained(folder)
     return model
+
+
+def perturb_norms_and_biases(model) -> None:
+    """Norms away from one and biases (Qwen2's q/k/v, zero at init) away from zero, so that a
+    missed norm or bias shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -76,11 +92,22 @@ def test_the_pretrained_flavors_read_their_public_config_files():
              "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
              "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
              "max_position_embeddings": 40960, "hidden_act": "silu", "use_sliding_window": False}
-    for flavor, hub in (("llama3_2_1b", llama), ("qwen3_0_6b", qwen3)):
+    qwen2_5 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
+               "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+               "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+               "max_position_embeddings": 32768, "sliding_window": 32768, "max_window_layers": 21,
+               "use_sliding_window": False, "attention_dropout": 0.0}  # Qwen2.5-0.5B-Instruct
+    for flavor, hub in (("llama3_2_1b", llama), ("qwen3_0_6b", qwen3), ("qwen2_5_0_5b", qwen2_5)):
         expected = FAMILY.config(flavor)
         check_matches(expected, config_from_hf(hub), "hub")
+        assert config_from_hf(hub).norm_eps == expected.norm_eps and config_from_hf(hub).max_seq_len == expected.max_seq_len
         check_matches(expected, config_from_hf(hf_config(expected).to_dict() | {"model_type": hub["model_type"]}),
                       "transformers 5")
+    yarn = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}  # Qwen2.5's long mode
+    for refused, message in ((yarn, "rope scaling 'yarn' is not supported"),
+                             ({"use_sliding_window": True}, "sliding-window attention is not supported")):
+        with pytest.raises(ValueError, match=message):
+            config_from_hf(qwen2_5 | refused)
 
 
 def test_a_checkpoint_of_another_shape_is_one_clear_error(tmp_path):
@@ -141,9 +168,10 @@ def test_backbone_equals_torchtitans_llama3_on_the_same_hf_weights(tmp_path):
 
 
 
-# The model cards' figures: Llama 3.2 1B "1.23B"; Qwen3-0.6B "0.6B, non-embedding 0.44B";
-# Qwen3-1.7B "1.7B, non-embedding 1.4B".
-PUBLISHED = {"llama3_2_1b": (1.23e9, None), "qwen3_0_6b": (0.6e9, 0.44e9), "qwen3_1_7b": (1.7e9, 1.4e9)}
+# The model cards' figures: Llama 3.2 1B "1.23B"; Qwen2.5-0.5B "0.49B, non-embedding 0.36B";
+# Qwen3-0.6B "0.6B, non-embedding 0.44B"; Qwen3-1.7B "1.7B, non-embedding 1.4B".
+PUBLISHED = {"llama3_2_1b": (1.23e9, None), "qwen2_5_0_5b": (0.49e9, 0.36e9), "qwen3_0_6b": (0.6e9, 0.44e9),
+             "qwen3_1_7b": (1.7e9, 1.4e9)}
 
 
 @pytest.mark.parametrize("flavor", sorted(PUBLISHED))
@@ -159,18 +187,30 @@ def test_pretrained_flavors_have_the_published_sizes(flavor):
         assert abs((total - model.tok_embeddings.weight.numel()) / body_claimed - 1) < 0.02
 
 
-def qwen3_debug_checkpoint(folder, n_layers: int | None = None):
-    """A random transformers Qwen3 of the `qwen3_debug` flavor's shape (or another depth)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def debug_checkpoint(folder, flavor: str, perturb: bool = False, **changes):
+    """A random transformers model of a debug flavor's architecture and shape (`changes`:
+    config.json fields to set otherwise; `perturb`: norms and biases away from their init),
+    saved to `folder`."""
+    import transformers
 
     from torchtitan_ext.backbone import FAMILY
 
-    c = FAMILY.config("qwen3_debug")
+    c = FAMILY.config(flavor)
+    config_cls, model_cls = (getattr(transformers, name) for name in ARCHITECTURE_CLASSES[c.architecture])
+    fields = dict(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden, num_hidden_layers=c.n_layers,
+                  num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
+                  rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+                  max_position_embeddings=c.max_seq_len)
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden, num_hidden_layers=n_layers or c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
-        rms_norm_eps=c.norm_eps, tie_word_embeddings=True, max_position_embeddings=c.max_seq_len)).save_pretrained(folder)
+    model = model_cls(config_cls(**(fields | changes)))
+    if perturb:
+        perturb_norms_and_biases(model)
+    model.save_pretrained(folder)
+
+
+def qwen3_debug_checkpoint(folder, n_layers: int | None = None):
+    """A random transformers Qwen3 of the `qwen3_debug` flavor's shape (or another depth)."""
+    debug_checkpoint(folder, "qwen3_debug", **({"num_hidden_layers": n_layers} if n_layers else {}))
 
 
 HF_START = ["--module", "train_configs.backbone", "--config", "backbone_qwen3_debug", "--checkpoint.initial_load_in_hf",
@@ -240,3 +280,167 @@ def test_backbone_equals_torchtitans_qwen3_on_the_same_hf_weights(tmp_path):
     loaded = titan.load_state_dict(Qwen3StateDictAdapter(config, None).from_hf(load_safetensors(tmp_path)), strict=False)
     assert not loaded.missing_keys and not loaded.unexpected_keys
     assert_same_logits(ours, titan)
+
+
+# Qwen2 / Qwen2.5: MoNe's backbone (paper 004, appendix A.2)
+
+QWEN2_START = ["--module", "train_configs.backbone", "--config", "backbone_qwen2_debug", "--checkpoint.initial_load_in_hf",
+               "--validator.no-enable"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen2_exports_as_transformers_qwen2_and_reads_back(tied, tokenizer_dir, tmp_path):
+    """A Qwen2 backbone with biases away from zero exports (hf_export.export) as a
+    Qwen2ForCausalLM that transformers loads with the same logits (1e-4, fp32); the backbone
+    reads the export back bit for bit. The export's sentencepiece tokenizer reads as training
+    does through LlamaTokenizer (transformers' AutoTokenizer forces Qwen2's own on a qwen2 folder)."""
+    from transformers import AutoModelForCausalLM, LlamaTokenizer
+
+    from torchtitan_ext.tokenizer import AssetsTokenizer
+
+    from torchtitan_ext.backbone import FAMILY
+    from torchtitan_ext.hf_export import export
+    from train_configs.backbone import backbone_qwen2_debug
+
+    config = backbone_qwen2_debug()
+    config.model_spec = FAMILY.model_spec("qwen2_debug", tie_embeddings=tied)
+    torch.manual_seed(0)
+    model = config.model_spec.model.build().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    export(model, config, tmp_path / "hf")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(reference).__name__ == "Qwen2ForCausalLM" and reference.config.tie_word_embeddings == tied
+    tokens = torch.randint(0, 4096, (2, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(reference(tokens).logits, model(tokens), rtol=0, atol=1e-4)
+    original, back = model.state_dict(), load_hf_backbone(tmp_path / "hf").state_dict()
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+    text = "Memory is written at test time, 2026."
+    ours = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(tokenizer_dir))
+    assert LlamaTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == ours.encode(text, add_bos=True, add_eos=False)
+
+
+def test_lora_and_mone_on_qwen2_keep_the_qkv_biases_frozen_and_in_use():
+    """MoNe with LoRA on W_q, W_k, W_v (its recipe) grafted on qwen2_debug: the wrapped
+    projections keep their biases under the checkpoint's names, frozen; the block's output
+    depends on them (memory tokens and tokens go through the biased W_k); a backward reaches
+    the graft only."""
+    from models.grafts.graft import GraftConfig
+    from models.grafts.lora import LoRALinear
+    from models.grafts.mone import MONE_LORA
+    from torchtitan_ext.backbone import FAMILY
+
+    graft = GraftConfig(kind="mone", layers="all", memory={"segment": 16}, lora=MONE_LORA)
+    torch.manual_seed(0)
+    model = DecoderLM(FAMILY.config("qwen2_debug", n_layers=2, graft=graft))
+    attention = model.layers["0"].attention
+    assert all(isinstance(w, LoRALinear) and w.bias is not None and not w.bias.requires_grad
+               for w in (attention.wq, attention.wk, attention.wv))
+    assert {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"} <= set(to_hf_keys(model.state_dict(), True))
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)
+    logits.logsumexp(-1).mean().backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n.endswith(".bias") and "memory" not in n)
+    assert model.layers["0"].memory_gate.grad.abs().sum() > 0 and attention.wk.lora_B.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        attention.wk.bias.add_(1.0)
+        assert not torch.allclose(model(tokens), logits)
+
+
+def test_mone_qwen2_5_0_5b_fits_the_papers_widths_on_the_meta_device():
+    """mone_qwen2_5_0_5b: Qwen2.5-0.5B (14 heads x 64, hidden 896, 2 kv heads, q/k/v biases,
+    tied, 32K window) takes MoNe's H = 4 heads of d_h = 224 (appendix A.2) in all 24 blocks; the
+    trainable parameters are the count from the shapes (memory + LoRA r128 on W_q, W_k, W_v per
+    block), 6.3% of the 494M backbone (the paper: 6.4%); the recipe is mone_llama3_2_1b's."""
+    from models.grafts.mone import MoNeBlock
+    from train_configs.backbone import mone_llama3_2_1b, mone_qwen2_5_0_5b, QWEN2_5_0_5B_INSTRUCT
+
+    config, llama = mone_qwen2_5_0_5b(), mone_llama3_2_1b()
+    c = config.model_spec.model.model
+    assert (c.architecture, c.dim, c.n_heads, c.head_dim, c.n_kv_heads, c.ffn_hidden, c.qkv_bias, c.tie_embeddings,
+            c.max_seq_len) == ("qwen2", 896, 14, 64, 2, 4864, True, True, 32768)
+    assert c.graft == llama.model_spec.model.model.graft
+    assert (config.optimizer, config.lr_scheduler, config.training, config.dataloader) == (
+        llama.optimizer, llama.lr_scheduler, llama.training, llama.dataloader)
+    assert config.hf_assets_path == config.checkpoint.initial_load_path == QWEN2_5_0_5B_INSTRUCT
+    assert config.checkpoint.initial_load_in_hf and config.dump_folder.endswith("mone_qwen2_5_0_5b")
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    blocks = list(model.layers.values())
+    heads, d_h = c.graft.memory.heads, 224
+    assert len(blocks) == 24 and all(isinstance(b, MoNeBlock) for b in blocks)
+    assert heads == 4 and blocks[0].in_h == blocks[0].out_h == d_h
+    query, kv, rank = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.graft.lora.rank
+    # W_0 (three d_h x d_h per head), the gate, the q / k affines, the lr and beta projections, the output norm
+    memory = 3 * heads * d_h * d_h + heads * d_h * d_h + 2 * 2 * query + 2 * (c.dim * heads + heads) + d_h
+    lora = rank * (c.dim + query) + 2 * rank * (c.dim + kv)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert trainable == 24 * (memory + lora)
+    assert abs(frozen / 0.494e9 - 1) < 0.005 and round(100 * trainable / frozen, 1) == 6.3
+
+
+@pytest.mark.parametrize("case", ["weight", "hidden_size"])
+def test_a_qwen2_folder_of_the_wrong_shape_is_one_line_and_exit_2(case, tokenizer_dir, tmp_path, capsys):
+    """An initial load from a Qwen2 folder whose config.json is the flavor's but one weight has
+    another width, or whose hidden size is not the flavor's, stops at train.sh's preflight
+    (`python -m torchtitan_ext.preflight <train args>`, run here in-process) with one line and
+    exit 2; load_hf_backbone raises the same error."""
+    from safetensors.torch import load_file, save_file
+
+    from torchtitan_ext import preflight
+    from torchtitan_ext.backbone import FAMILY
+
+    folder = tmp_path / "hf"
+    if case == "weight":
+        debug_checkpoint(folder, "qwen2_debug")
+        key, file = "model.layers.1.self_attn.k_proj.bias", folder / "model.safetensors"
+        state = load_file(file)
+        state[key] = torch.zeros(state[key].shape[0] + 1)
+        save_file(state, file, metadata={"format": "pt"})
+        message = f"weight '{key}' has shape (65,), its config.json's model needs (64,)"
+    else:
+        debug_checkpoint(folder, "qwen2_debug", hidden_size=96)
+        message = "dim=96, the flavor has 128"
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_hf_backbone(folder, FAMILY.config("qwen2_debug"))
+    capsys.readouterr()  # (what writing the folder printed)
+    with pytest.raises(SystemExit) as stop:
+        preflight.main(QWEN2_START + ["--checkpoint.initial_load_path", str(folder), "--dump_folder", str(tmp_path / "run")])
+    logging.disable(logging.NOTSET)  # preflight.main silences torchtitan's warnings for the process
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+@pytest.mark.slow
+def test_a_qwen2_folder_trains_exports_and_reloads_in_transformers(tokenizer_dir, tmp_path):
+    """A random Qwen2 Hugging Face folder (biases and norms perturbed) trains 4 steps through
+    scripts/train.sh from its weights (every tensor, biases included, moves by less than the
+    steps allow); convert_to_hf.py exports the step-4 checkpoint as a Qwen2ForCausalLM that
+    transformers loads with the trained model's logits (1e-4, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import train
+    from test_hf import run_script
+    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+
+    debug_checkpoint(tmp_path / "hf", "qwen2_debug", perturb=True)
+    run = train(QWEN2_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "4",
+                               "--checkpoint.interval", "4", "--dump_folder", str(tmp_path / "run")])
+    assert run.returncode == 0 and sorted(run.losses) == [1, 2, 3, 4], run
+    step = tmp_path / "run" / "checkpoint" / "step-4"
+    model, _ = build_model("train_configs.backbone", "backbone_qwen2_debug")
+    load_dcp_model(model, step)
+    start, trained = load_hf_backbone(tmp_path / "hf").state_dict(), model.state_dict()
+    assert all((trained[k] - start[k]).abs().max() < 0.05 for k in start)  # 4 AdamW steps at lr <= 3e-3
+    assert not torch.equal(trained["layers.0.attention.wk.bias"], start["layers.0.attention.wk.bias"])
+
+    assert run_script("convert_to_hf.py", "--module", "train_configs.backbone", "--config", "backbone_qwen2_debug",
+                      "--checkpoint", step, "--out", tmp_path / "export") == 0
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(reloaded).__name__ == "Qwen2ForCausalLM"
+    tokens = torch.randint(0, 4096, (2, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (reloaded(tokens).logits - model.eval()(tokens)).abs().max() < 1e-4

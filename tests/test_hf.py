@@ -27,13 +27,19 @@ FAMILIES = {
     "titans": "train_configs.titans:titans_mac_debug",  # the variants share the model class and code
     "mela": "train_configs.mela:mela_debug",
     "backbone": "train_configs.backbone:backbone_qwen3_debug",  # a standard Qwen3ForCausalLM
+    "backbone_qwen2": "train_configs.backbone:backbone_qwen2_debug",  # a standard Qwen2ForCausalLM (q/k/v biases)
     "memoryllama": "train_configs.backbone:memoryllama_alma_debug",  # a grafted backbone: remote code
     "mone": "train_configs.backbone:mone_debug",
 }
-EXPORTED_CLASS = {"transformer": "LlamaForCausalLM", "backbone": "Qwen3ForCausalLM"}  # others: remote code
+EXPORTED_CLASS = {"transformer": "LlamaForCausalLM", "backbone": "Qwen3ForCausalLM",
+                  "backbone_qwen2": "Qwen2ForCausalLM"}  # others: remote code
 # Text the export's tokenizer must encode as training does (not starting with whitespace:
 # sentencepiece puts its dummy prefix before leading spaces, transformers does not).
 TEXTS = ["def f(x):\n    return x**2\n", "Memory is written at test time, 2026.", "Ünïcödé 東京 🙂"]
+# transformers 5 reads any model_type "qwen2" folder's tokenizer as its byte-level Qwen2Tokenizer,
+# whatever tokenizer_config.json names: the debug export's sentencepiece tokenizer is read with
+# LlamaTokenizer explicitly (tests/test_backbone.py), not through AutoTokenizer.
+NO_AUTO_TOKENIZER = {"backbone_qwen2"}
 LENGTH = 80  # longer than one memory chunk (Titans: 16 tokens) and one Mela chunk (64 tokens)
 NEW_TOKENS = 32
 
@@ -111,10 +117,11 @@ def test_export_matches_native_and_round_trips_bit_for_bit(family, tokenizer_dir
 
     x = torch.randint(0, 4096, (2, LENGTH), generator=torch.Generator().manual_seed(1))
     torch.save(x, tmp_path / "x.pt")
-    hf = load_without_project(tmp_path / "hf", tmp_path / "x.pt", tmp_path, TEXTS)
+    texts = [] if family in NO_AUTO_TOKENIZER else TEXTS
+    hf = load_without_project(tmp_path / "hf", tmp_path / "x.pt", tmp_path, texts)
     assert hf["project"] == []
     ours = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(tokenizer_dir))
-    assert hf["token_ids"] == [ours.encode(t, add_bos=True, add_eos=False) for t in TEXTS]  # the export's tokenizer
+    assert hf["token_ids"] == [ours.encode(t, add_bos=True, add_eos=False) for t in texts]  # the export's tokenizer
     shape = model.cfg if family != "transformer" else TRANSFORMER.config("small")  # AutoConfig's standard fields
     assert hf["config"] == {"vocab_size": shape.vocab_size, "hidden_size": shape.dim, "num_hidden_layers": shape.n_layers}
     assert hf["class"] == EXPORTED_CLASS.get(family, "MemoryLMForCausalLM")

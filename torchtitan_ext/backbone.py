@@ -1,15 +1,18 @@
 """The pretrained backbone family (`models/backbones/decoder_lm.py`): Hugging Face Llama /
-Qwen3 key names, reading a Hugging Face folder, and the registry entry.
+Qwen2 / Qwen3 key names, reading a Hugging Face folder, and the registry entry.
 
-Flavors: the public configs of Llama-3.2-1B, Qwen3-0.6B and Qwen3-1.7B (their parameter
-counts are checked in tests/test_backbone.py), and `llama_debug` / `qwen3_debug` for CPU
-(the 4096-piece offline tokenizer; Qwen3's explicit head_dim differs from dim / heads there
-as in the real ones).
+Flavors: the public configs of Llama-3.2-1B, Qwen2.5-0.5B (MoNe's backbone; its Instruct
+model has the same config), Qwen3-0.6B and Qwen3-1.7B (their parameter counts are checked in
+tests/test_backbone.py), and `llama_debug` / `qwen2_debug` / `qwen3_debug` for CPU (the
+4096-piece offline tokenizer; Qwen3's explicit head_dim differs from dim / heads there as in
+the real ones; Qwen2's q/k/v biases, tied head, rope theta 1e6 and norm eps 1e-6 as in
+Qwen2.5-0.5B).
 
 `HFBackboneAdapter` is torchtitan's StateDictAdapter for it (so `--checkpoint.initial_load_in_hf`
 and the exporter work): keys are renamed, nothing is permuted (the backbone uses Hugging
-Face's RoPE layout). `load_hf_backbone(folder)` checks `config.json` against the flavor's
-config before anything is materialised.
+Face's RoPE layout). `load_hf_backbone(folder)` and the preflight of an initial load
+(`check_hf_folder`) check `config.json` against the flavor's config and every weight's shape
+in the safetensors headers before anything is materialised.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ KEY_MAP = (
     ("norm.weight", "model.norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
     *((f"layers.{{}}.attention.w{p}.weight", f"model.layers.{{}}.self_attn.{p}_proj.weight") for p in "qkvo"),
+    *((f"layers.{{}}.attention.w{p}.bias", f"model.layers.{{}}.self_attn.{p}_proj.bias") for p in "qkv"),  # Qwen2
     *((f"layers.{{}}.attention.{p}_norm.weight", f"model.layers.{{}}.self_attn.{p}_norm.weight") for p in "qk"),
     ("layers.{}.attention_norm.weight", "model.layers.{}.input_layernorm.weight"),
     ("layers.{}.ffn_norm.weight", "model.layers.{}.post_attention_layernorm.weight"),
@@ -49,7 +53,7 @@ def _rename(key: str, source: int) -> str:
         match = re.fullmatch(pattern, key)
         if match:
             return pair[1 - source].format(*match.groups())
-    raise UserError(f"weight '{key}' has no counterpart in a Llama / Qwen3 checkpoint: is this a backbone model?")
+    raise UserError(f"weight '{key}' has no counterpart in a Llama / Qwen2 / Qwen3 checkpoint: is this a backbone model?")
 
 
 GRAFT_KEY = re.compile(r"\.(lora_A|lora_B|memory[a-z_]*)(\.|$)")
@@ -74,7 +78,7 @@ def from_hf_keys(state: dict, tied: bool) -> dict:
 
 
 class HFBackboneAdapter(StateDictAdapter):
-    """torchtitan StateDictAdapter: our keys <-> Hugging Face Llama / Qwen3 keys (graft weights
+    """torchtitan StateDictAdapter: our keys <-> Hugging Face Llama / Qwen2 / Qwen3 keys (graft weights
     left out: an initial load from a Hugging Face folder leaves them at their init; a grafted
     backbone's own export is remote code, read through `hf_export.hf_form`)."""
 
@@ -91,7 +95,7 @@ class HFBackboneAdapter(StateDictAdapter):
 def read_hf_config(folder: Path) -> DecoderLMConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise UserError(f"no config.json in '{folder}': pass a Hugging Face Llama or Qwen3 model folder")
+        raise UserError(f"no config.json in '{folder}': pass a Hugging Face Llama, Qwen2 or Qwen3 model folder")
     try:
         return config_from_hf(json.loads(path.read_text()))
     except ValueError as e:
@@ -101,27 +105,52 @@ def read_hf_config(folder: Path) -> DecoderLMConfig:
 def check_matches(expected: DecoderLMConfig, found: DecoderLMConfig, folder: Path) -> None:
     """UserError naming the first field where a checkpoint's config differs from the flavor's."""
     for field in ("architecture", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
-                  "qk_norm", "rope_theta", "rope_scaling", "tie_embeddings"):
+                  "qk_norm", "qkv_bias", "rope_theta", "rope_scaling", "tie_embeddings"):
         if getattr(expected, field) != getattr(found, field):
             raise UserError(f"'{folder}' holds a model with {field}={getattr(found, field)!r}, the flavor has "
                             f"{getattr(expected, field)!r}: pass the flavor this checkpoint was made for")
 
 
+def check_weight_shapes(config: DecoderLMConfig, folder: Path) -> None:
+    """UserError naming the first backbone weight of `config` that the safetensors of `folder`
+    lack or hold at another shape (read from the file headers, Hugging Face names; graft
+    weights are not in such a folder)."""
+    from torchtitan_ext.hf_export import safetensors_shapes
+
+    with torch.device("meta"):
+        state = DecoderLM(config).state_dict()
+    expected = {k: tuple(v.shape) for k, v in to_hf_keys(state, config.tie_embeddings).items()}
+    stored = safetensors_shapes(Path(folder))
+    missing = [k for k in expected if k not in stored]
+    if missing:
+        raise UserError(f"'{folder}' lacks {len(missing)} of {len(expected)} weights (e.g. '{missing[0]}'): an "
+                        "incomplete checkpoint")
+    for key, shape in expected.items():
+        if stored[key] != shape:
+            raise UserError(f"'{folder}': weight '{key}' has shape {stored[key]}, its config.json's model needs "
+                            f"{shape}: the weights and config.json disagree (a broken or edited checkpoint)")
+
+
+def check_hf_folder(config: DecoderLMConfig, folder: Path) -> None:
+    """UserError unless `folder` holds a model of `config`'s shape: config.json's fields,
+    then every weight's shape (preflight of `--checkpoint.initial_load_in_hf`)."""
+    check_matches(config, read_hf_config(folder), folder)
+    check_weight_shapes(config, folder)
+
+
 def load_hf_backbone(folder: Path, expected: DecoderLMConfig | None = None) -> DecoderLM:
     """The DecoderLM of a Hugging Face folder (config.json + safetensors), fp32; with
-    `expected`, its config is checked first (one-line UserError, nothing built)."""
+    `expected`, its config is checked first; the weights' shapes always (one-line UserError,
+    nothing built)."""
     from torchtitan_ext.hf_export import load_safetensors
 
     config = read_hf_config(folder)
     if expected is not None:
         check_matches(expected, config, folder)
+    check_weight_shapes(config, folder)
     with torch.device("meta"):
         model = DecoderLM(config)
-    state = from_hf_keys(load_safetensors(Path(folder)), config.tie_embeddings)
-    missing = sorted(set(model.state_dict()) - set(state))
-    if missing:
-        raise UserError(f"'{folder}' lacks {len(missing)} weights (e.g. '{missing[0]}'): an incomplete checkpoint")
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict(from_hf_keys(load_safetensors(Path(folder)), config.tie_embeddings), assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.tok_embeddings.weight
     model.reset_buffers()  # RoPE frequencies are not in checkpoints
@@ -132,23 +161,29 @@ LLAMA3_2_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, 
                  "original_max_position_embeddings": 8192}
 QWEN3 = dict(architecture="qwen3", vocab_size=151936, n_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1000000.0,
              norm_eps=1e-6, tie_embeddings=True, max_seq_len=40960)
+# Qwen2.5-0.5B(-Instruct)'s config.json: q/k/v biases, theta 1e6, eps 1e-6, tied head, 32K window.
+QWEN2 = dict(architecture="qwen2", vocab_size=151936, qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6,
+             tie_embeddings=True, max_seq_len=32768)
 FLAVORS = {
     "llama_debug": dict(vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384,
                         rope_scaling=dict(LLAMA3_2_ROPE, original_max_position_embeddings=64)),
+    "qwen2_debug": dict(QWEN2, vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384),
     "qwen3_debug": dict(QWEN3, vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
                         ffn_hidden=384),
     "llama3_2_1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
                         rope_scaling=LLAMA3_2_ROPE, tie_embeddings=True),
+    "qwen2_5_0_5b": dict(QWEN2, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_hidden=4864),
     "qwen3_0_6b": dict(QWEN3, dim=1024, n_layers=28, n_heads=16, ffn_hidden=3072),
     "qwen3_1_7b": dict(QWEN3, dim=2048, n_layers=28, n_heads=16, ffn_hidden=6144),
 }
 
 
 def hf_config(cfg: DecoderLMConfig):
-    """The transformers LlamaConfig / Qwen3Config of a plain backbone config (its export is a
-    plain LlamaForCausalLM / Qwen3ForCausalLM); None for a grafted one, which exports as
-    remote code (backbone + graft; `--merge-lora` first turns a LoRA-only graft plain)."""
-    from transformers import LlamaConfig, Qwen3Config
+    """The transformers LlamaConfig / Qwen2Config / Qwen3Config of a plain backbone config (its
+    export is a plain LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM); None for a
+    grafted one, which exports as remote code (backbone + graft; `--merge-lora` first turns a
+    LoRA-only graft plain)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if cfg.graft.kind != "none":
         return None
@@ -158,13 +193,15 @@ def hf_config(cfg: DecoderLMConfig):
                   max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings)
     if cfg.architecture == "qwen3":
         return Qwen3Config(**fields, architectures=["Qwen3ForCausalLM"])
+    if cfg.architecture == "qwen2":  # q/k/v biases are Qwen2Attention's own; no sliding window
+        return Qwen2Config(**fields, use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
     return LlamaConfig(**fields, rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
                        architectures=["LlamaForCausalLM"])
 
 
-FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen3 decoder (loads Hugging Face checkpoints; grafts "
+FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen2 / Qwen3 decoder (loads Hugging Face checkpoints; grafts "
                 "build on it)", flavors=FLAVORS, config_class=DecoderLMConfig, plain_class=DecoderLM,
                 hf_config=hf_config, state_dict_adapter=HFBackboneAdapter, flops_per_token=flops.decoder_lm,
                 diagnostics=graft_diagnostics,
-                check_hf_folder=lambda config, folder: check_matches(config, read_hf_config(folder), folder))
+                check_hf_folder=check_hf_folder)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec

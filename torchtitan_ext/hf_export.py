@@ -3,7 +3,7 @@
 Weights are mapped by each family's torchtitan state-dict adapter (the one its ModelSpec
 names). Families with a `Family.hf_config` export as a standard transformers class
 (Transformer++ through torchtitan's `Llama3StateDictAdapter` as `LlamaForCausalLM`; the
-pretrained backbone as `LlamaForCausalLM` / `Qwen3ForCausalLM`), loadable by plain
+pretrained backbone as `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`), loadable by plain
 `transformers`; the other families and configs without such a class (a grafted backbone:
 its `hf_config` says None), through `WrapperStateDictAdapter` (keys `model.<plain key>`),
 export as remote code:
@@ -37,6 +37,8 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
 # A bare sentencepiece model (the offline default) read by transformers' LlamaTokenizer: the
 # same ids as the training tokenizer (bos, no eos) for text that does not start with whitespace
 # (sentencepiece adds its dummy prefix before leading spaces, transformers does not).
+# transformers 5 ignores it in a Qwen2 folder (model_type "qwen2": always its byte-level
+# Qwen2Tokenizer); LlamaTokenizer.from_pretrained(folder) reads it there.
 SENTENCEPIECE_TOKENIZER_CONFIG = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
                                   "legacy": False, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 PROJECT_IMPORT = re.compile(r"^(\s*)from (models|kernels)((?:\.\w+)*) import ", re.MULTILINE)
@@ -103,16 +105,33 @@ def save_safetensors(state: dict[str, torch.Tensor], folder: Path, max_shard_siz
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's *.safetensors files, or UserError."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UserError(f"no *.safetensors in '{folder}': pass a Hugging Face model folder")
+    return files
+
+
+def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     state = {}
-    for file in files:
+    for file in safetensors_files(folder):
         state.update(load_file(str(file)))
     return state
+
+
+def safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """{key: shape} of every tensor in the folder's safetensors, from the headers (no tensor
+    is read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            shapes |= {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    return shapes
 
 
 def _remote_code(family: Family, plain_config, folder: Path):

@@ -1,13 +1,15 @@
-"""A plain-torch Llama / Qwen3 decoder LM that loads Hugging Face checkpoints: the backbone
-memories are grafted onto.
+"""A plain-torch Llama / Qwen2 / Qwen3 decoder LM that loads Hugging Face checkpoints: the
+backbone memories are grafted onto.
 
-Architecture (transformers' LlamaForCausalLM and Qwen3ForCausalLM, which it equals; tests
-in tests/test_backbone.py): token embeddings, `n_layers` pre-norm blocks
+Architecture (transformers' LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, which it
+equals; tests in tests/test_backbone.py): token embeddings, `n_layers` pre-norm blocks
     x += W_o Attn(RoPE(q), RoPE(k), v);  q, k, v = W_{q,k,v} RMSNorm(x)   (GQA, explicit head_dim)
     x += W_2 (SiLU(W_1 h) * W_3 h);       h = RMSNorm(x)                   (SwiGLU)
-then RMSNorm and the output head (tied to the embeddings or not). Qwen3 adds an RMSNorm over
-each head of q and k before RoPE (`qk_norm`). RoPE uses Hugging Face's layout (halves rotate
-together) and Llama 3's frequency scaling when `rope_scaling` says so. RMSNorm and RoPE
+then RMSNorm and the output head (tied to the embeddings or not). Qwen2 (and Qwen2.5, the
+same architecture) adds biases to W_q, W_k, W_v, not to W_o (`qkv_bias`; Qwen2Attention);
+Qwen3 instead adds an RMSNorm over each head of q and k before RoPE (`qk_norm`). RoPE uses
+Hugging Face's layout (halves rotate together) and Llama 3's frequency scaling when
+`rope_scaling` says so. RMSNorm and RoPE
 angles are computed in float32 (float64 for float64 inputs in the norm) as transformers does.
 
 Attribute names (tok_embeddings, layers, norm, lm_head, and attention / feed_forward /
@@ -32,13 +34,13 @@ from models.layers.attention import document_causal_attention
 from models.layers.ffn import SwiGLU
 from models.layers.rope import apply_half_rope, rope_inv_freq
 
-ARCHITECTURES = ("llama", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_SCALING_FIELDS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
 class DecoderLMConfig:
-    architecture: str = "llama"  # "llama" | "qwen3": which transformers class it exports as
+    architecture: str = "llama"  # "llama" | "qwen2" | "qwen3": which transformers class it exports as
     vocab_size: int = 4096
     dim: int = 64  # hidden_size
     n_layers: int = 2  # num_hidden_layers
@@ -47,6 +49,7 @@ class DecoderLMConfig:
     head_dim: int | None = None  # explicit (Qwen3); default dim // n_heads
     ffn_hidden: int = 128  # intermediate_size
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qkv_bias: bool = False  # Qwen2: biases on W_q, W_k, W_v (W_o has none)
     rope_theta: float = 500000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
     norm_eps: float = 1e-5
@@ -103,9 +106,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderLMConfig):
         super().__init__()
         self.cfg = cfg
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -162,7 +165,7 @@ class Block(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """Llama / Qwen3 decoder LM (module docstring)."""
+    """Llama / Qwen2 / Qwen3 decoder LM (module docstring)."""
 
     _skip_lm_head: bool = False  # torchtitan's chunked loss applies lm_head itself
 
@@ -178,15 +181,18 @@ class DecoderLM(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, init_std) for every matrix (transformers' init; pretrained weights replace
-        it), norms to one, head re-tied; then the grafts' own init (`reset_grafts`: LoRA
-        B = 0, MemoryLlama's `init`); RoPE frequencies recomputed (`reset_buffers`)."""
+        """N(0, init_std) for every matrix and zero biases (transformers' init; pretrained
+        weights replace it), norms to one, head re-tied; then the grafts' own init
+        (`reset_grafts`: LoRA B = 0, MemoryLlama's `init`); RoPE frequencies recomputed
+        (`reset_buffers`)."""
         with torch.no_grad():
             if self.enable_weight_tying:
                 self.lm_head.weight = self.tok_embeddings.weight
             for module in self.modules():
                 if isinstance(module, (nn.Linear, nn.Embedding)):
                     nn.init.normal_(module.weight, std=self.cfg.init_std)
+                    if getattr(module, "bias", None) is not None:
+                        nn.init.zeros_(module.bias)
                 elif isinstance(module, RMSNorm):
                     module.reset_parameters()
             reset_grafts(self)
@@ -236,24 +242,31 @@ class DecoderLM(nn.Module):
 
 
 def config_from_hf(hf: dict) -> DecoderLMConfig:
-    """A Hugging Face `config.json` (dict) of a Llama or Qwen3 model -> DecoderLMConfig;
-    ValueError naming what is not supported."""
+    """A Hugging Face `config.json` (dict) of a Llama, Qwen2 (Qwen2.5) or Qwen3 model ->
+    DecoderLMConfig; ValueError naming what is not supported. Qwen2 has q/k/v biases whatever
+    the file says (transformers' Qwen2Attention hard-codes them; transformers 5 writes no
+    `attention_bias` for it)."""
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         raise ValueError(f"config.json has model_type '{kind}': this backbone loads {ARCHITECTURES}")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("attention or MLP biases are not supported by this backbone")
+    if (hf.get("attention_bias") and kind != "qwen2") or hf.get("mlp_bias"):
+        raise ValueError("attention biases (other than Qwen2's on q/k/v) or MLP biases are not supported by this "
+                         "backbone")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported: the backbone's FFN is SwiGLU")
-    if hf.get("use_sliding_window"):
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
         raise ValueError("sliding-window attention is not supported by this backbone")
     params = dict(hf.get("rope_parameters") or {})  # transformers 5; older files: rope_theta / rope_scaling
     theta = hf.get("rope_theta") or params.get("rope_theta", 10000.0)
-    rope = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    rope = hf.get("rope_scaling") or params
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("llama3", "default"):  # e.g. Qwen2.5's optional YaRN
+        raise ValueError(f"rope scaling '{rope_type}' is not supported: only 'llama3' (or none)")
     return DecoderLMConfig(
         architecture=kind, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"), ffn_hidden=hf["intermediate_size"], qk_norm=kind == "qwen3",
-        rope_theta=float(theta), rope_scaling=rope, norm_eps=hf.get("rms_norm_eps", 1e-6),
+        qkv_bias=kind == "qwen2", rope_theta=float(theta), rope_scaling=rope if rope_type == "llama3" else None,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=hf.get("max_position_embeddings", 131072))
