@@ -7,11 +7,12 @@ grafted finetunes build on.
 
 import dataclasses
 
-from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
 from torchtitan.trainer import Trainer
 
 from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
+from models.grafts.memory_llama import THESIS_MEMORY
 from models.grafts.mone import MONE_LORA
 from torchtitan_ext.backbone import FAMILY
 from torchtitan_ext.paths import REPO_ROOT
@@ -39,75 +40,128 @@ def backbone_qwen3_debug_lora() -> Trainer.Config:
 # MemoryLlama (thesis section 4): a neural memory in the chosen blocks, LoRA r16 / alpha 32 /
 # dropout 0.05 on every block's q, k, v, o, gate, up, down, the backbone frozen.
 MEMORYLLAMA_LAYERS = {"alma": "alma", "elma": "elma", "gema": "gema:2"}  # GeMA: every second block (section 4.1.4)
+# The thesis' runs (appendix B, memory_layer_id, 0-based as ALMA's [14, 15] are Llama-3.2-1B's
+# last two blocks): ALMA in blocks 14, 15; ELMA in blocks 1, 2, not the first two blocks that
+# section 4.1.4's "processes the input embeddings directly" suggests (the other ELMA configs).
+THESIS_LAYERS = {"alma": "14,15", "elma": "1,2"}
 LORA_PARAMETERS = r"\.lora_[AB]\."
-THESIS_STEPS = 20000  # section 4.2.2: 12,000-20,000 steps of 16 x 2048 tokens
+# Section 4.2.2: "12,000 to 20,000 steps, with each step processing a sequence of 2048 tokens (a
+# total of 24-41M tokens)", i.e. 12-20K sequences; these runs take 20K, 1250 optimizer steps of
+# 16 sequences (4 per micro-batch, 4 accumulated; section 4.2.1). A shorter run of the budget:
+# --training.steps 750 (12K sequences).
+THESIS_SEQUENCES = 20000
+THESIS_BATCH = 16
 # The Hugging Face folder of meta-llama/Llama-3.2-1B (config.json, safetensors, tokenizer.json),
 # downloaded by the user; another: --checkpoint.initial_load_path <folder> --hf_assets_path <folder>.
 LLAMA3_2_1B = str(REPO_ROOT / "assets" / "hf" / "Llama-3.2-1B")
 
 
-def _memoryllama_graft(placement: str, memory: dict, lora: LoRAConfig | None = None) -> GraftConfig:
-    return GraftConfig(kind="memoryllama", layers=MEMORYLLAMA_LAYERS[placement], lora=lora or LoRAConfig(),
-                       lora_layers="all", memory=memory)
+def _memoryllama_graft(layers: str, memory: dict, lora: LoRAConfig | None) -> GraftConfig:
+    """A memory in `layers`, LoRA (if any) on every block."""
+    return GraftConfig(kind="memoryllama", layers=layers, lora=lora, lora_layers="all" if lora else None, memory=memory)
 
 
-# The thesis' memory as printed: its init, Titans' per-token rule token by token (slow: 2048
-# sequential steps per grafted block and sequence; models/grafts/memory_llama.py).
-THESIS_MEMORY = {"init": "thesis", "update": "titans", "chunk_size": 1}
 # The stable default: the exact init and Newton-Schulz writes every 256 tokens. Training FLOPs
-# per token at Llama-3.2-1B, ALMA (torchtitan_ext/flops.py): 25.3G, against 7.1G for the
-# thesis' rule and 8.2G for training the whole backbone; chunks of 64 would cost 85.7G
+# per token at Llama-3.2-1B, ALMA (torchtitan_ext/flops.py): 25.3G, against 8.3G for the
+# thesis' block (THESIS_MEMORY, token by token; flops.py counts the memory output projection
+# it lacks, ~0.1G) and 8.2G for training the whole backbone; chunks of 64 would cost 85.7G
 # (Newton-Schulz on the single 2048 x 4096 head, once per chunk), 512 cost 15.3G.
 STABLE_MEMORY = {"chunk_size": 256}
 
 
-def _memoryllama_1b(placement: str, *, init: str, constant_lr: bool) -> Trainer.Config:
-    """Llama-3.2-1B from its Hugging Face folder, FineWeb-Edu 2048-token sequences, 16 per
-    step (4 per rank, accumulated to 16), AdamW weight decay 0.1, clip 1.0. The thesis trains
-    memory and LoRA at one constant lr 1e-3; the stable default keeps 1e-3 for the memory and
-    gives LoRA 2e-4 (group 0, `--optimizer.param-groups.0.optimizer-kwargs.lr`), after 200
-    warmup steps, cosine to 10%."""
-    name = f"memoryllama_{placement}_1b" + ("_thesis" if constant_lr else "")
-    graft = _memoryllama_graft(placement, THESIS_MEMORY if init == "thesis" else STABLE_MEMORY)
+def _llama3_2_1b(graft: GraftConfig, name: str) -> Trainer.Config:
+    """Llama-3.2-1B from its Hugging Face folder with `graft`, FineWeb-Edu 2048-token
+    sequences, 16 per step (4 per rank, accumulated to 16), the thesis' 20K sequences, bf16,
+    AdamW weight decay 0.1, clip 1.0 (the thesis configs change the optimizer and clipping)."""
     config = paper_recipe(FAMILY.model_spec("llama3_2_1b", graft=graft), name=name, lr=1e-3, local_batch_size=4)
-    config.training = dataclasses.replace(config.training, seq_len=2048, global_batch_size=16, steps=THESIS_STEPS)
+    config.training = dataclasses.replace(config.training, seq_len=2048, global_batch_size=THESIS_BATCH,
+                                          steps=THESIS_SEQUENCES // THESIS_BATCH)
     config.hf_assets_path = LLAMA3_2_1B
     config.checkpoint = dataclasses.replace(config.checkpoint, initial_load_path=LLAMA3_2_1B, initial_load_in_hf=True)
-    if constant_lr:
-        config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0)
-    else:
-        config.optimizer = grouped_adamw([(LORA_PARAMETERS, 2e-4), (".*", 1e-3)])
-        config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_factor=0.1)
+    return config
+
+
+def _memoryllama_1b(placement: str) -> Trainer.Config:
+    """The stable recipe: exact init, Newton-Schulz writes every 256 tokens, LoRA r16 on every
+    block; memory lr 1e-3, LoRA 2e-4 (group 0, `--optimizer.param-groups.0.optimizer-kwargs.lr`),
+    200 warmup steps, cosine to 10%, clip 1.0."""
+    graft = _memoryllama_graft(MEMORYLLAMA_LAYERS[placement], STABLE_MEMORY, LoRAConfig())
+    config = _llama3_2_1b(graft, f"memoryllama_{placement}_1b")
+    config.optimizer = grouped_adamw([(LORA_PARAMETERS, 2e-4), (".*", 1e-3)])
+    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_factor=0.1)
+    return config
+
+
+def _thesis_run(graft: GraftConfig, name: str, lr: float = 1e-3, cosine: bool = False) -> Trainer.Config:
+    """Section 4.2.1's optimisation on `graft`: no gradient clipping (none in the thesis or
+    its public code; section 6.2.1 proposes it as future work), weight decay 0.1, one lr for
+    everything that trains, constant (`cosine`: cosine to 0, no warmup, as the public code's
+    finetune baseline). The thesis' optimizer is AdamW-8bit (the public code:
+    bitsandbytes' Adam8bit with weight_decay 0.1, whose kernels decay decoupled, p *= 1 - lr
+    wd, as AdamW; default betas (0.9, 0.999), eps 1e-8). torch's AdamW stands in with the same
+    rule and hyperparameters and float32 moments: 8-bit block-wise quantised moments save
+    memory and add quantisation noise, they do not change the update rule."""
+    config = _llama3_2_1b(graft, name)
+    config.training = dataclasses.replace(config.training, max_norm=float("inf"))  # clip coefficient min(inf, 1) = 1
+    config.optimizer = default_adamw(lr=lr, betas=(0.9, 0.999))
+    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=0, decay_type="cosine", min_lr_factor=0.0) \
+        if cosine else LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0)
     return config
 
 
 def memoryllama_alma_1b() -> Trainer.Config:
     """MemoryLlama ALMA (memory in the last two blocks) on Llama-3.2-1B, exact init, warmup 200 + cosine."""
-    return _memoryllama_1b("alma", init="exact", constant_lr=False)
+    return _memoryllama_1b("alma")
 
 
 def memoryllama_elma_1b() -> Trainer.Config:
     """MemoryLlama ELMA (memory in the first two blocks) on Llama-3.2-1B, exact init, warmup 200 + cosine."""
-    return _memoryllama_1b("elma", init="exact", constant_lr=False)
+    return _memoryllama_1b("elma")
 
 
 def memoryllama_gema_1b() -> Trainer.Config:
     """MemoryLlama GeMA (memory in every second block) on Llama-3.2-1B, exact init, warmup 200 + cosine."""
-    return _memoryllama_1b("gema", init="exact", constant_lr=False)
+    return _memoryllama_1b("gema")
 
 
 def memoryllama_alma_1b_thesis() -> Trainer.Config:
-    """The thesis' ALMA run: its init (W_x = I, b_g = -6, o = y + x_DP), per-token update, constant lr 1e-3."""
-    return _memoryllama_1b("alma", init="thesis", constant_lr=True)
+    """The thesis' ALMA run on Llama-3.2-1B (section 4.2, appendix B.1), no clipping, constant lr 1e-3.
+
+    Memories in blocks 14, 15 as printed and run (THESIS_MEMORY: W_x = I, W_h = 0, W_g = 0,
+    b_g = -6, o = x + y, Titans' rule token by token, a depth-3 residual memory MLP), LoRA r16
+    / alpha 32 / dropout 0.05 on every block, 20K sequences of 2048 tokens (`_thesis_run`)."""
+    return _thesis_run(_memoryllama_graft(THESIS_LAYERS["alma"], THESIS_MEMORY, LoRAConfig()),
+                       "memoryllama_alma_1b_thesis")
 
 
 def memoryllama_elma_1b_thesis() -> Trainer.Config:
-    """The thesis' ELMA run: its init (W_x = I, b_g = -6, o = y + x_DP), per-token update, constant lr 1e-3."""
-    return _memoryllama_1b("elma", init="thesis", constant_lr=True)
+    """The thesis' ELMA run (appendix B.2): memoryllama_alma_1b_thesis with the memories in blocks 1, 2."""
+    return _thesis_run(_memoryllama_graft(THESIS_LAYERS["elma"], THESIS_MEMORY, LoRAConfig()),
+                       "memoryllama_elma_1b_thesis")
+
+
+def memoryllama_alma_1b_thesis_no_lora() -> Trainer.Config:
+    """Table 5.1's "ALMA - LoRA" ablation: memoryllama_alma_1b_thesis without LoRA (only the memories train).
+
+    The thesis ran it to 28K sequences without collapse: --training.steps 1750."""
+    return _thesis_run(_memoryllama_graft(THESIS_LAYERS["alma"], THESIS_MEMORY, None),
+                       "memoryllama_alma_1b_thesis_no_lora")
+
+
+def memoryllama_finetune_1b_thesis() -> Trainer.Config:
+    """Table 5.1's "+ fine-tuning" baseline: Llama-3.2-1B with LoRA r16 only, the thesis runs' budget.
+
+    The thesis: the model "fine-tuned on the fineweb-edu dataset for a comparable number of
+    steps". As its public code (hercules/scripts/llama_finetune_baseline.py): LoRA r16 / alpha 32 / dropout 0.05 on every
+    block's q, k, v, o, gate, up, down, the backbone frozen, lr 4e-4 with cosine decay to 0,
+    no warmup, no clipping; on the thesis runs' budget (20K sequences, 16 per step)."""
+    return _thesis_run(GraftConfig(kind="lora", layers="all", lora=LoRAConfig()), "memoryllama_finetune_1b_thesis",
+                       lr=4e-4, cosine=True)
 
 
 def _memoryllama_debug(placement: str) -> Trainer.Config:
-    graft = _memoryllama_graft(placement, {"chunk_size": 32}, LoRAConfig(rank=8, alpha=16.0, dropout=0.0))
+    graft = _memoryllama_graft(MEMORYLLAMA_LAYERS[placement], {"chunk_size": 32},
+                               LoRAConfig(rank=8, alpha=16.0, dropout=0.0))
     return debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name=f"memoryllama_{placement}_debug", lr=1e-2)
 
 
@@ -161,9 +215,9 @@ def mone_llama3_2_1b() -> Trainer.Config:
     """MoNe's recipe (appendix A.2) on Llama-3.2-1B from its Hugging Face folder: segments of
     512, task samples of 2 to 8 segments (1K-4K tokens), 16 per step, AdamW
     (0.9, 0.95) wd 0.1, lr 1e-3 for the memory and 5e-5 for LoRA, 200 warmup steps, cosine to
-    1e-5, clip 1.0, bf16, one epoch of 210K samples. The paper's backbone, Qwen2.5-0.5B-Instruct,
-    has attention biases this backbone does not load; Llama-3.2-1B's query width equals its
-    dim (2048) as Qwen2.5's does (896), so d_h = 512 here against the paper's 224."""
+    1e-5, clip 1.0, bf16, one epoch of 210K samples. The paper's own backbone is
+    mone_qwen2_5_0_5b's; Llama-3.2-1B's query width equals its dim (2048) as Qwen2.5's does
+    (896), so d_h = 512 here against the paper's 224."""
     graft = GraftConfig(kind="mone", layers="all", memory={"segment": 512}, lora=MONE_LORA)
     config = paper_recipe(FAMILY.model_spec("llama3_2_1b", graft=graft), name="mone_llama3_2_1b", local_batch_size=4)
     config.training = dataclasses.replace(config.training, seq_len=4096, global_batch_size=16,
@@ -229,3 +283,30 @@ def backbone_qwen3_0_6b() -> Trainer.Config:
 def backbone_qwen3_1_7b() -> Trainer.Config:
     """Qwen3-1.7B-Base from assets/hf/Qwen3-1.7B-Base (module note above)."""
     return _qwen3_base("qwen3_1_7b")
+
+
+# Qwen2 / Qwen2.5 (q/k/v biases, tied head at 0.5B): MoNe's own backbone (paper 004, section 5
+# and appendix A.2), a Hugging Face folder the user downloads
+# (huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir assets/hf/Qwen2.5-0.5B-Instruct).
+QWEN2_5_0_5B_INSTRUCT = str(REPO_ROOT / "assets" / "hf" / "Qwen2.5-0.5B-Instruct")
+
+
+def backbone_qwen2_debug() -> Trainer.Config:
+    """A 4-layer Qwen2 (q/k/v biases, tied head, rope theta 1e6, norm eps 1e-6), embedded corpus, CPU."""
+    return debug_recipe(FAMILY.model_spec("qwen2_debug"), name="backbone_qwen2_debug")
+
+
+def mone_qwen2_5_0_5b() -> Trainer.Config:
+    """MoNe's recipe (appendix A.2) on its own backbone, Qwen2.5-0.5B-Instruct from its Hugging
+    Face folder: mone_llama3_2_1b's graft (every block, H = 4 heads, segments of 512, LoRA
+    r128 / alpha 128 on W_q, W_k, W_v; the q/k/v biases stay frozen with the backbone), data,
+    optimizer and schedule. Here d_h = 896 / 4 = 224 as printed; the memory and LoRA add 31.3M
+    parameters to the backbone's 494M (6.3%; the paper: 6.4%). The flavor keeps the model's
+    native window (max_position_embeddings 32768), so evaluations at 4K-128K fall within and
+    beyond it as in Table 1."""
+    config = mone_llama3_2_1b()
+    config.model_spec = FAMILY.model_spec("qwen2_5_0_5b", graft=config.model_spec.model.model.graft)
+    config.dump_folder = "./outputs/mone_qwen2_5_0_5b"
+    config.hf_assets_path = QWEN2_5_0_5B_INSTRUCT
+    config.checkpoint = dataclasses.replace(config.checkpoint, initial_load_path=QWEN2_5_0_5B_INSTRUCT)
+    return config

@@ -5,7 +5,8 @@ what trains.
 modifies a built `DecoderLM` in place and freezes everything that does not train
 (`requires_grad=False`, so torchtitan's optimizer never holds it). Layer choices (MemoryLlama
 thesis, "Neural memory augmentation for LLMs", section 4; figure 4.2): "all"; "elma" = the
-first two blocks; "alma" = the last two; "gema:k" = every k-th block, counted from the first
+first two blocks (0, 1; the thesis' appendix B.2 runs ELMA in blocks 1, 2, which its
+`*_thesis` configs pass as the list "1,2"); "alma" = the last two; "gema:k" = every k-th block, counted from the first
 (blocks k-1, 2k-1, ...; the thesis leaves the offset open); or an explicit comma-separated
 list such as "0,5,11". `kind="none"` leaves the backbone exactly as it is. Kinds: "lora" (LoRA on the chosen
 blocks), "memoryllama" (a MemoryLlama memory in the chosen blocks, models/grafts/memory_llama.py,
