@@ -8,7 +8,8 @@ reference otherwise: the per-matrix kernel when the matrices fit one program (up
 128 x 512, either orientation), else for `newton_schulz` the blocked kernel (any size,
 upper-triangular Gram blocks; `memory_update` falls back to torch). "triton" (per matrix),
 "triton_blocked" (blocked, `newton_schulz` only), "torch" (eager reference) and "compiled"
-(the reference through torch.compile, compiled once per shape) force one. Tests force the
+(the reference through `bounded_compile`: one graph per shape, up to COMPILED_GRAPH_LIMIT,
+then eager) force one. Tests force the
 Triton backends on CPU under TRITON_INTERPRET=1.
 """
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from kernels.reference import MUON_COEFFICIENTS, memory_update_reference, newton_schulz_reference
 
@@ -25,9 +28,55 @@ BACKENDS = ("auto", "triton", "triton_blocked", "torch", "compiled")  # newton_s
 MEMORY_UPDATE_BACKENDS = tuple(b for b in BACKENDS if b != "triton_blocked")
 
 
+COMPILED_GRAPH_LIMIT = 64  # graphs one compiled function keeps before new shapes run eagerly
+
+
+def bounded_compile(fn, limit: int = COMPILED_GRAPH_LIMIT, backend: str = "inductor"):
+    """`torch.compile(fn, dynamic=False, fullgraph=True)` that never fails on a new shape.
+
+    Each new input signature (shapes, strides, dtypes, requires_grad, non-tensor arguments)
+    compiles one more static graph. torch's default, one `recompile_limit` of 8 per code
+    object shared by every `torch.compile` of it, makes a fullgraph compile raise
+    `FailOnRecompileLimitHit` at the ninth (issue 29). Here the callable gets its own
+    recompile region (`isolate_recompiles`) and `limit` graphs; past them it warns once and
+    runs new shapes eagerly, graphs already compiled still serving theirs (dynamo's
+    "eager_on_recompile" stance). Inside another compiled region it is `fn` itself, traced
+    into the outer graph. Compile time per new shape, step time and why static shapes
+    rather than a dynamic batch: `compiled_chunk_step` in models/memory/neural_memory.py.
+    `backend` is torch.compile's (tests use "aot_eager": dynamo's guards and recompiles, which
+    the bound is about, without Inductor's code generation). On a torch without per-function
+    `recompile_limit` / `isolate_recompiles` (before 2.13) it compiles without them and torch's
+    shared limit applies (that path is not tested here: the project pins torch 2.13).
+    """
+    try:
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, recompile_limit=limit,
+                                 isolate_recompiles=True)
+    except TypeError:  # torch < 2.13: no per-function limit
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+    past_limit = False
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        nonlocal past_limit
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if past_limit:
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return compiled(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except FailOnRecompileLimitHit:
+            past_limit = True
+            warnings.warn(f"{fn.__qualname__}: {limit} compiled graphs, the bound: new shapes run eagerly from now on "
+                          "(kernels.COMPILED_GRAPH_LIMIT)", stacklevel=2)
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @functools.cache
 def _compiled(fn):
-    return torch.compile(fn, dynamic=False)
+    return bounded_compile(fn)
 
 
 @functools.cache

@@ -17,7 +17,11 @@ ops: aten ops dispatched per chunk step (forward, backward), eager and compiled,
     the difference between 16 and 8 chunks (per-call work cancels out). On a GPU each is
     a kernel launch.
 
-    pip install -e .[bench] && python scripts/bench_memory.py [--only speed,bytes,ops] [--repeats 3]
+    pip install -e .[bench] && python scripts/bench_memory.py [--only speed,bytes,ops] [--repeats 3] [--quick]
+
+--quick runs every section on sequences of 256 tokens (speed, bytes, recompute): a check that
+the whole benchmark runs, its compiled chunk step meeting the same shapes (batch, heads,
+chunk, widths) as the full run, not figures to quote.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from torchtitan_ext import titans
 from torchtitan_ext.cpu import measured_matmul_flops
 
 B, T, DIM, HEADS, HEAD_DIM, EXPANSION = 4, 2048, 256, 4, 64, 4
+FLAVOR_LENGTH = 1024  # tokens per sequence of the bytes measurement at the paper flavors' shapes
+QUICK_LENGTH = 256  # --quick: tokens per sequence in every section
 PARTS = ("speed", "bytes", "ops")
 
 
@@ -66,26 +72,27 @@ def bench_config(chunk: int, **options) -> NeuralMemoryConfig:
                               chunk_size=chunk, momentum=True, **options)
 
 
-def theirs(chunk: int):
+def theirs(chunk: int, length: int):
     from titans_pytorch import MemoryMLP
     from titans_pytorch import NeuralMemory as PeerMemory
 
     return forward_backward(PeerMemory(dim=DIM, chunk_size=chunk, heads=HEADS, dim_head=HEAD_DIM,
-                                       model=MemoryMLP(HEAD_DIM, depth=2, expansion_factor=EXPANSION), momentum=True))
+                                       model=MemoryMLP(HEAD_DIM, depth=2, expansion_factor=EXPANSION), momentum=True),
+                           length=length)
 
 
-def model_flops(gates: str) -> float:
+def model_flops(gates: str, length: int) -> float:
     """Forward: per (batch, head) and token, the memory MLP runs on q and k (2 x 4 d^2 e),
     its explicit gradient costs 6 d^2 e (x 1.5 for the per-token rule: the two weighted
     sums double the 4 d^2 e of outer products); q, k, v, out projections 4 x 2 dim^2.
     Forward + backward = 3 x forward."""
     gradient = 6 if gates == "chunk" else 10
-    memory = B * HEADS * T * (8 + gradient) * HEAD_DIM**2 * EXPANSION
-    projections = 4 * 2 * B * T * DIM * HEADS * HEAD_DIM
+    memory = B * HEADS * length * (8 + gradient) * HEAD_DIM**2 * EXPANSION
+    projections = 4 * 2 * B * length * DIM * HEADS * HEAD_DIM
     return 3 * (memory + projections)
 
 
-def speed(repeats: int) -> None:
+def speed(repeats: int, length: int = T) -> None:
     try:
         import titans_pytorch  # noqa: F401
     except ImportError:
@@ -93,16 +100,17 @@ def speed(repeats: int) -> None:
               "scripts/setup.sh)")
         return
     peak = measured_matmul_flops()
-    print(f"fp32 matmul peak (2048^3, measured now): {peak / 1e9:.1f} GFLOP/s; threads {torch.get_num_threads()}")
+    print(f"B={B} T={length}; fp32 matmul peak (2048^3, measured now): {peak / 1e9:.1f} GFLOP/s; "
+          f"threads {torch.get_num_threads()}")
     print(f"{'chunk':>5} {'gates':>6} {'path':>9} {'ours s':>8} {'titans-pytorch s':>17} {'speed-up':>9} "
           f"{'ours GFLOP/s':>13} {'of peak':>8}")
     for chunk in (64, 16):
-        peer = seconds(theirs(chunk), max(1, repeats - 1))
+        peer = seconds(theirs(chunk, length), max(1, repeats - 1))
         for gates in ("token", "chunk"):
             for path, compiled in (("eager", False), ("compiled", True)):
                 memory = NeuralMemory(bench_config(chunk, gates=gates, compiled_chunk_step=compiled))
-                mine = seconds(forward_backward(memory), repeats)
-                achieved = model_flops(gates) / mine
+                mine = seconds(forward_backward(memory, length=length), repeats)
+                achieved = model_flops(gates, length) / mine
                 print(f"{chunk:>5} {gates:>6} {path:>9} {mine:>8.3f} {peer:>17.3f} {peer / mine:>8.1f}x "
                       f"{achieved / 1e9:>13.1f} {achieved / peak:>7.1%}")
 
@@ -123,28 +131,30 @@ def flavor_memory_config(flavor: str, **options) -> tuple[NeuralMemoryConfig, in
     return dataclasses.replace(spec.memory, **options), spec.n_layers
 
 
-def saved_bytes_per_token(flavor: str, length: int = 1024, **options) -> float:
+def saved_bytes_per_token(flavor: str, length: int = FLAVOR_LENGTH, **options) -> float:
     cfg, _ = flavor_memory_config(flavor, **options)
     torch.manual_seed(0)
     return saved_bytes(NeuralMemory(cfg), 1, length) / length
 
 
-def bytes_report(repeats: int) -> None:
+def bytes_report(repeats: int, flavor_length: int = FLAVOR_LENGTH, length: int = T) -> None:
     tokens = 8 * 4096
-    print(f"bytes kept for backward per token per memory layer (fp32, chunk 64; x {tokens} tokens = B 8 x T 4096)")
+    print(f"bytes kept for backward per token per memory layer (fp32, chunk 64, measured at B=1 T={flavor_length}; "
+          f"x {tokens} tokens = B 8 x T 4096)")
     print(f"{'flavor':>6} {'recompute':>10} {'bytes/token':>12} {'per layer GiB':>14} {'all layers GiB':>15}")
     for flavor in ("170m", "400m", "760m"):
         _, layers = flavor_memory_config(flavor)
         for group in (0, 4):
-            per_token = saved_bytes_per_token(flavor, checkpoint_chunks=group)
+            per_token = saved_bytes_per_token(flavor, flavor_length, checkpoint_chunks=group)
             label = f"G={group}" if group else "none"
             print(f"{flavor:>6} {label:>10} {per_token:>12,.0f} {per_token * tokens / 2**30:>14.2f} "
                   f"{per_token * tokens * layers / 2**30:>15.1f}")
-    print("recompute cost at the speed configuration (chunk 64, eager fwd+bwd):")
+    print(f"recompute cost at the speed configuration (B={B} T={length}, chunk 64, eager fwd+bwd):")
     for group in (0, 4, 8):
         memory = NeuralMemory(bench_config(64, checkpoint_chunks=group))
-        kept = saved_bytes(memory, B, T) / (B * T)
-        print(f"  checkpoint_chunks={group}: {seconds(forward_backward(memory), repeats):.3f} s, {kept:,.0f} bytes/token")
+        kept = saved_bytes(memory, B, length) / (B * length)
+        print(f"  checkpoint_chunks={group}: {seconds(forward_backward(memory, length=length), repeats):.3f} s, "
+              f"{kept:,.0f} bytes/token")
 
 
 class OpCounter(TorchDispatchMode):
@@ -210,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"sequences of {QUICK_LENGTH} tokens in every section: checks that the benchmark runs "
+                             "(same compiled shapes as the full run); its figures are not the documented ones")
     args = parser.parse_args(argv)
     parts = args.only.split(",")
     unknown = sorted(set(parts) - set(PARTS))
@@ -218,9 +231,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_flush_denormal(True)  # as the CPU training path does (torchtitan_ext/cpu.py)
     torch.manual_seed(0)
     reports = {"speed": speed, "bytes": bytes_report, "ops": ops_report}
+    lengths = {"speed": dict(length=QUICK_LENGTH), "bytes": dict(flavor_length=QUICK_LENGTH, length=QUICK_LENGTH)}
     for part in PARTS:
         if part in parts:
-            reports[part](args.repeats)
+            reports[part](args.repeats, **(lengths.get(part, {}) if args.quick else {}))
             sys.stdout.flush()
 
 

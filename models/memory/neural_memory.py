@@ -47,9 +47,14 @@ the activations' dtype before the output norm. `state_dtype` forces another dtyp
 measure what bf16 state costs).
 
 Choices where the papers are silent (tested):
-- `M` has no residual inside: depth 1 is `x W`, depth L applies L matrices with SiLU
-  between them (hidden width = expansion * head_dim). Initial weights are learned
-  (`learned_init`), else a fixed random draw (zeros would never learn for depth >= 2).
+- By default `M` has no residual: depth 1 is `x W`, depth L applies L matrices with SiLU
+  between them (hidden width = expansion * head_dim). `residual` adds one skip around
+  them, M(x) = x + MLP(x) (the MemoryLlama thesis' "MLPs with residual connections",
+  section 2.3): the write's gradient keeps its form, with M(k) in the error. Initial
+  weights are learned (`learned_init`), else a fixed random draw (zeros would never learn
+  for depth >= 2).
+- `output_proj=False` drops the output projection: the read is the heads' concatenation
+  itself (M*(q), MemoryLlama's eq. 4.2 / 4.7; needs n_heads * head_dim == dim).
 - The loss is summed over tokens and features; theta = max_lr * sigmoid(.), max_lr 0.01
   (0.1 diverged to NaN within 10 steps for MAL at debug size). The forget gate's logit is
   offset by -4 (alpha starts near 0.018 per token).
@@ -82,6 +87,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels import bounded_compile
 from kernels import memory_update as kernel_memory_update
 
 GATE_RULES = ("token", "chunk")
@@ -106,9 +112,11 @@ class NeuralMemoryConfig:
     output_norm: bool = True
     output_gate: bool = True
     kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled
-    compiled_chunk_step: bool = False  # torch.compile each chunk step (CPU fast path; compiles once per shape)
+    compiled_chunk_step: bool = False  # torch.compile each chunk step (CPU fast path; two graphs per new shape)
     checkpoint_chunks: int = 0  # recompute groups of this many chunks in backward; 0 = keep every chunk's tensors
     read_after_write: bool = False  # a chunk reads the state after its own write (Mela's HMM; whole chunks only)
+    residual: bool = False  # M(x) = x + MLP(x) (docstring)
+    output_proj: bool = True  # False: no output projection (needs n_heads * head_dim == dim)
     state_dtype: str | None = None  # None: float32 (float64 for float64 activations); e.g. "bfloat16" to measure
     qk_norm: bool = True
     learned_init: bool = True
@@ -125,6 +133,9 @@ class NeuralMemoryConfig:
                              "(per-token updates take their step size from theta)")
         if self.conv_kernel < 0 or self.checkpoint_chunks < 0:
             raise ValueError("conv_kernel and checkpoint_chunks must be >= 0")
+        if not self.output_proj and self.n_heads * self.head_dim != self.dim:
+            raise ValueError(f"a memory without output projection reads n_heads * head_dim = "
+                             f"{self.n_heads * self.head_dim} features: set it to dim {self.dim} or output_proj=True")
 
     def layer_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of each memory weight matrix, e.g. depth 2: [(d, e*d), (e*d, d)]."""
@@ -154,14 +165,15 @@ def silu_grad(x: torch.Tensor) -> torch.Tensor:
     return s * (1 + x * (1 - s))
 
 
-def mlp_forward(weights, x: torch.Tensor):
-    """M(x) for x (B, H, N, d); also returns each layer's (input, pre-activation)."""
-    saved = []
+def mlp_forward(weights, x: torch.Tensor, residual: bool = False):
+    """M(x) for x (B, H, N, d) (x + MLP(x) with `residual`); also returns each layer's
+    (input, pre-activation)."""
+    saved, inputs = [], x
     for i, w in enumerate(weights):
         pre = x @ w
         saved.append((x, pre))
         x = F.silu(pre) if i < len(weights) - 1 else pre
-    return x, saved
+    return (inputs + x if residual else x), saved
 
 
 def associative_grads(weights, saved, out: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor):
@@ -216,6 +228,7 @@ class UpdateRule(NamedTuple):
     backend: str = "auto"
     read_after_write: bool = False
     step_scale: float = 1.0
+    residual: bool = False
 
 
 def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c, rule: UpdateRule):
@@ -226,9 +239,9 @@ def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c,
     (y_c, new weights, new momentum)."""
     size = q_c.shape[2]
     if rule.read_after_write:
-        out_k, saved = mlp_forward(weights, k_c)
+        out_k, saved = mlp_forward(weights, k_c, rule.residual)
     else:
-        both, saved_both = mlp_forward(weights, torch.cat([q_c, k_c], 2))
+        both, saved_both = mlp_forward(weights, torch.cat([q_c, k_c], 2), rule.residual)
         saved = [(inp[:, :, size:], pre[:, :, size:]) for inp, pre in saved_both]
         y_c, out_k = both[:, :, :size], both[:, :, size:]
     if rule.gates == "token":
@@ -240,14 +253,31 @@ def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c,
                    for w, s, g in zip(weights, momentum, grads)]
         weights, momentum = tuple(w for w, _ in updated), tuple(s for _, s in updated)
     if rule.read_after_write:
-        y_c = mlp_forward(weights, q_c)[0]
+        y_c = mlp_forward(weights, q_c, rule.residual)[0]
     return y_c, weights, momentum
 
 
 @functools.cache
 def compiled_chunk_step():
-    """`chunk_step` through torch.compile (fused elementwise work; one graph per shape)."""
-    return torch.compile(chunk_step, dynamic=False, fullgraph=True)
+    """`chunk_step` through `kernels.bounded_compile` (fused elementwise work): static
+    shapes, fullgraph, up to `kernels.COMPILED_GRAPH_LIMIT` (64) graphs per process, then
+    new shapes run eagerly after one warning. Each new (batch, heads, chunk, head_dim,
+    depth, expansion, dtype, write rule) compiles two graphs: the first chunk's (its
+    momentum does not require grad, its weights are the expanded initial ones) and the
+    later chunks'. torch's shared limit of 8 made the fifth shape fail hard (issue 29).
+
+    Chosen over a dynamic batch dimension: shapes also change by heads, chunk, widths,
+    depth and dtype, which a dynamic batch does not cover, so a bound with an eager fallback
+    is needed anyway, and static graphs keep today's kernels. Costs, measured on torch 2.13
+    CPU (2 cores shared, load 7-13, so walls are inflated): a new shape costs two compiles,
+    15.7 s + 2.1 s of dynamo + Inductor time for the first shape of a tiny layer (dim 16,
+    2 heads of 8, chunk 4; the first includes the process's one-time warm-up), 33.9 s of
+    in-process CPU for the first shape at the benchmark's widths (B 4, T 1024, chunk 16;
+    g++ time not counted); the step runs the same graphs as before plus the wrapper's
+    checks, 1.5 us per chunk (0.2 ms per forward of 128 chunks). The dynamic-batch
+    alternative was not measured (the machine was too loaded to finish its compiles).
+    """
+    return bounded_compile(chunk_step)
 
 
 def run_chunks(step, weights, momentum, chunks, rule: UpdateRule):
@@ -286,7 +316,7 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
             else run_chunks(*args)
         outputs += ys
     if full < total:
-        outputs.append(mlp_forward(weights, q[:, :, full:])[0])
+        outputs.append(mlp_forward(weights, q[:, :, full:], rule.residual)[0])
     y = torch.cat(outputs, 2)[:, :, pending:]
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
     return y, state._replace(weights=weights, momentum=momentum, pending=new_pending)
@@ -308,7 +338,8 @@ class NeuralMemory(nn.Module):
             self.out_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6)
         if cfg.output_gate:
             self.to_out_gate = nn.Linear(cfg.dim, cfg.n_heads)
-        self.out = nn.Linear(inner, cfg.dim, bias=False)
+        if cfg.output_proj:
+            self.out = nn.Linear(inner, cfg.dim, bias=False)
         initial = [torch.empty(cfg.n_heads, i, o) for i, o in cfg.layer_shapes()]
         if cfg.learned_init:
             self.initial_weights = nn.ParameterList(nn.Parameter(w) for w in initial)
@@ -325,8 +356,9 @@ class NeuralMemory(nn.Module):
     def reset_parameters(self) -> None:
         std = 0.02
         with torch.no_grad():
-            for linear in (self.to_qkv, self.out, self.to_gates):
-                nn.init.normal_(linear.weight, std=std)
+            for linear in (self.to_qkv, getattr(self, "out", None), self.to_gates):
+                if linear is not None:  # the draw order of the configs with an output projection is kept
+                    nn.init.normal_(linear.weight, std=std)
             nn.init.zeros_(self.to_gates.bias)  # theta = max_lr / 2, eta = 0.5 at first
             if self.cfg.conv_kernel:
                 self.conv.reset_parameters()
@@ -380,7 +412,8 @@ class NeuralMemory(nn.Module):
             y = self.out_norm(y)
         if self.cfg.output_gate:
             y = y * torch.sigmoid(self.to_out_gate(x)).transpose(1, 2)[..., None]
-        return self.out(y.transpose(1, 2).flatten(-2))
+        y = y.transpose(1, 2).flatten(-2)
+        return self.out(y) if self.cfg.output_proj else y
 
     def retrieve(self, x: torch.Tensor, state: MemoryState) -> torch.Tensor:
         """Read without writing: M*(q_t) with the state's current weights (thesis eq. 2.41).
@@ -388,7 +421,7 @@ class NeuralMemory(nn.Module):
         inner = self.cfg.n_heads * self.cfg.head_dim
         q = F.linear(x, self.to_qkv.weight[:inner])
         q, _ = self._convolve(q, q.new_zeros(q.shape[0], max(self.cfg.conv_kernel - 1, 0), inner), slice(0, inner))
-        y, _ = mlp_forward(state.weights, self._query_heads(q).to(state.weights[0].dtype))
+        y, _ = mlp_forward(state.weights, self._query_heads(q).to(state.weights[0].dtype), self.cfg.residual)
         return self._output(y, x)
 
     def _gates(self, x: torch.Tensor):
@@ -414,7 +447,8 @@ class NeuralMemory(nn.Module):
         dtype, start_weights = state.weights[0].dtype, state.weights
         new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
-        rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale)
+        rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale,
+                          cfg.residual)
         y, state = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule, cfg.compiled_chunk_step,
                                   cfg.checkpoint_chunks)
         self._note_stats(start_weights, state, new[2:])
