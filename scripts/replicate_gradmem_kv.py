@@ -9,18 +9,21 @@ of docs/benchmarks.md "GradMem":
         --methods gradient:5:0.25,gradient:1:1.0 --stages 1,2,4,8 --steps 200,300,800,2000 --replay \\
         --lr 1e-3 --eval-pairs 4,8,16 --eval-k 1,5
 
-Each method (WRITE kind : training K [: alpha]) trains from scratch on `--flavor`
+Each method (WRITE kind : training K [: alpha [: meta-gradient]]; meta-gradient "second" by
+default, "first" for Table 1's "w/o meta-learning", models/memory/gradmem.py) trains from scratch on `--flavor`
 (torchtitan_ext/gradmem.py) through a curriculum over the number of pairs (each stage starts
 from the previous stage's weights, as the paper's appendix C; with `--replay` a stage draws
 each sample's pair count from all the stages so far, so the short contexts are not
-forgotten), with the family's outer loss (read cross-entropy on the answer + 0.5 x the last
-inner step's write loss), AdamW (0.9, 0.95), linear warmup, and the task data of the torchtitan
+forgotten), with the family's outer loss (read cross-entropy on the answer + `--write-weight`
+x the last inner step's write loss: 0.5, the public code's; 0 with `--projection` is the paper
+text's setting, train_configs.gradmem `gradmem_kv_paper_text`), AdamW (0.9, 0.95), linear warmup, and the task data of the torchtitan
 path (`TaskDataset`, rows split at the query). The loop is plain torch in one process
 (the same model, data and loss as `bash scripts/train.sh --module train_configs.gradmem`,
 without the launcher's per-run start-up on a 2-core machine). After the last stage, exact
 match from the memory alone on held-out samples at each `--eval-pairs`, for each `--eval-k`
-(gradient methods; the forward method at its training K), with the final write loss; 95%
-Wilson intervals over the samples of all seeds. Writes results.json, results.md and
+(gradient methods; the forward method at its training K), with the final write loss; the
+seeds pooled with a 95% interval that resamples seeds, then samples (torchtitan_ext/eval/stats.py),
+each seed's figure beside it, and every sample's score in results.json. Writes results.json, results.md and
 gradmem_kv.png (the table and plot of `eval_tasks.py --mode gradmem`) to --out (staged,
 moved into place at the end).
 """
@@ -37,12 +40,19 @@ import torch
 import torch.nn.functional as F
 
 
-def parse_methods(text: str) -> list[tuple[str, int, float | None]]:
-    """"write:K[:alpha],..." -> [(write, K, alpha or None for --inner-lr)]."""
+def parse_methods(text: str) -> list[tuple[str, int, float | None, str]]:
+    """"write:K[:alpha[:meta_gradient]],..." -> [(write, K, alpha or None for --inner-lr,
+    meta_gradient, default "second")]."""
+    from models.memory.gradmem import META_GRADIENTS, WRITES
+
     methods = []
     for item in text.split(","):
         write, *rest = item.split(":")
-        methods.append((write, int(rest[0]) if rest else 1, float(rest[1]) if len(rest) > 1 else None))
+        meta_gradient = rest[2] if len(rest) > 2 else "second"
+        if write not in WRITES or meta_gradient not in META_GRADIENTS:
+            raise ValueError(f"method '{item}': WRITE is one of {WRITES}, meta_gradient one of {META_GRADIENTS}")
+        methods.append((write, int(rest[0]) if rest else 1, float(rest[1]) if len(rest) > 1 and rest[1] else None,
+                        meta_gradient))
     return methods
 
 
@@ -60,12 +70,14 @@ def batches(tokenizer, pairs: tuple[int, ...], batch: int, seed: int):
                torch.stack([y for _, y in items]))
 
 
-def train(args, write: str, k: int, alpha: float, seed: int, tokenizer, log) -> torch.nn.Module:
-    from torchtitan_ext.gradmem import model_config, weighted_write_loss, WRITE_LOSS_WEIGHT
+def train(args, write: str, k: int, alpha: float, meta_gradient: str, seed: int, tokenizer, log) -> torch.nn.Module:
+    from torchtitan_ext.gradmem import model_config, weighted_write_loss
     from models.lms.gradmem import GradMemLM
 
     torch.manual_seed(seed)
-    model = GradMemLM(model_config(args.flavor, gradmem={"write": write, "write_steps": k, "inner_lr": alpha}))
+    model = GradMemLM(model_config(args.flavor, gradmem={"write": write, "write_steps": k, "inner_lr": alpha,
+                                                         "meta_gradient": meta_gradient,
+                                                         "memory_projection": args.projection}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = 0
     for stage, (pairs, steps) in enumerate(zip(args.stages, args.steps)):
@@ -78,7 +90,7 @@ def train(args, write: str, k: int, alpha: float, seed: int, tokenizer, log) -> 
                 group["lr"] = args.lr * lr_scale
             logits, write_loss = model(tokens, positions)
             read = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-            loss = (read + weighted_write_loss(write_loss, labels, WRITE_LOSS_WEIGHT)) / (labels != -100).sum()
+            loss = (read + weighted_write_loss(write_loss, labels, args.write_weight)) / (labels != -100).sum()
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -91,19 +103,9 @@ def train(args, write: str, k: int, alpha: float, seed: int, tokenizer, log) -> 
     return model
 
 
-def pooled(cells: list[dict], samples: int) -> dict:
-    """One table cell from the same cell of several seeds (equal sample counts): the mean exact
-    match, the Wilson interval over all their samples (`samples` per seed), and the per-seed figures."""
-    from torchtitan_ext.gradmem import wilson_interval
-
-    em = sum(c["em"] for c in cells) / len(cells)
-    return {"pairs": cells[0]["pairs"], "em": em, "ci": wilson_interval(em * samples * len(cells), samples * len(cells)),
-            "em_per_seed": [c["em"] for c in cells], "write_loss_per_seed": [c["write_loss"] for c in cells]}
-
-
 def main(argv: list[str] | None = None) -> None:
     from eval_tasks import gradmem_markdown, gradmem_plot
-    from torchtitan_ext.gradmem import kv_cell
+    from torchtitan_ext.gradmem import kv_cell, pool_cells, WRITE_LOSS_WEIGHT
     from torchtitan_ext.kv_tokenizer import build
     from torchtitan_ext.paths import staged_folder
     from torchtitan_ext.tokenizer import AssetsTokenizer
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--flavor", default="kv_debug")
     parser.add_argument("--methods", type=parse_methods, default=parse_methods("forward:1,gradient:1,gradient:5:0.25"),
-                        help="WRITE:K[:alpha] per method, comma-separated")
+                        help="WRITE:K[:alpha[:meta_gradient]] per method, comma-separated")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--stages", default="1,2,4,8,16", help="curriculum: pair counts, one stage each")
     parser.add_argument("--steps", default="150,200,400,600,1000",
@@ -122,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--inner-lr", type=float, default=1.0, help="alpha of the methods that name none")
+    parser.add_argument("--write-weight", type=float, default=WRITE_LOSS_WEIGHT,
+                        help="weight of the last inner write loss in the outer loss (the paper text: 0)")
+    parser.add_argument("--projection", action="store_true", help="the learned memory projection (appendix C (i))")
     parser.add_argument("--eval-pairs", default="4,8,16,32")
     parser.add_argument("--eval-k", default="1,5")
     parser.add_argument("--samples", type=int, default=256, help="held-out samples per seed and cell")
@@ -143,25 +148,28 @@ def main(argv: list[str] | None = None) -> None:
         print(line, file=sys.stderr, flush=True)
 
     rows = []
-    for write, k, alpha in args.methods:
+    for write, k, alpha, meta_gradient in args.methods:
         alpha = alpha or args.inner_lr
         per_cell: dict[int, list[list[dict]]] = {}
         for seed in seeds:
-            model = train(args, write, k, alpha, seed, tokenizer, log).eval()
+            model = train(args, write, k, alpha, meta_gradient, seed, tokenizer, log).eval()
             for k_eval in (eval_k if write == "gradient" else [k]):
                 cells = [kv_cell(model, tokenizer, n, k_eval, args.samples, "held-out") for n in eval_pairs]
                 per_cell.setdefault(k_eval, []).append(cells)
                 log(f"{write}:{k} seed {seed} K_eval {k_eval}: EM " +
                     ", ".join(f"{c['pairs']} pairs {c['em']:.3f}" for c in cells))
         for k_eval, runs in per_cell.items():
-            rows.append({"label": f"trained with K={k}" + (f", alpha {alpha}" if write == "gradient" else ""),
-                         "write": write, "k": k_eval, "k_train": k, "alpha": alpha,
-                         "cells": [pooled(list(same), args.samples) for same in zip(*runs)]})
+            label = f"trained with K={k}" + (f", alpha {alpha}" if write == "gradient" else "")
+            rows.append({"label": label + ("" if meta_gradient == "second" else f", {meta_gradient} order"),
+                         "write": write, "k": k_eval, "k_train": k, "alpha": alpha, "meta_gradient": meta_gradient,
+                         "seeds": len(runs), "cells": [pool_cells(list(same)) for same in zip(*runs)]})
     results = {"flavor": args.flavor, "seeds": seeds, "stages": args.stages, "steps": args.steps,
                "replay": args.replay, "batch": args.batch, "lr": args.lr, "inner_lr": args.inner_lr,
-               "samples": args.samples * len(seeds), "pairs": eval_pairs, "rows": rows}
+               "write_weight": args.write_weight, "projection": args.projection,
+               "samples": args.samples, "pairs": eval_pairs, "rows": rows}
     table = (f"Flavor {args.flavor}, seeds {seeds}, curriculum {args.stages} pairs x {args.steps} steps of "
-             f"{args.batch}{' with replay' if args.replay else ''}, lr {args.lr}.\n\n"
+             f"{args.batch}{' with replay' if args.replay else ''}, lr {args.lr}, outer loss + {args.write_weight} x "
+             f"write loss, memory projection {'on' if args.projection else 'off'}.\n\n"
              + gradmem_markdown(results))
     with staged_folder(args.out) as staging:
         (staging / "results.json").write_text(json.dumps(results, indent=2))

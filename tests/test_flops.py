@@ -22,6 +22,7 @@ from models.lms.mela import Mela
 from models.backbones.decoder_lm import DecoderLM
 from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
+from models.grafts.memory_llama import THESIS_MEMORY
 from torchtitan_ext import backbone, flops, gradmem, mela, titans
 from torchtitan_ext.families import families
 
@@ -35,6 +36,8 @@ CASES = {f"{spec_name}_{flavor}": (family.plain_class, family.config(flavor, **o
     "backbone_qwen3_debug_lora": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(kind="lora")), 128),
     "backbone_llama_debug_memoryllama": (DecoderLM, backbone.model_config("llama_debug", graft=GraftConfig(
         kind="memoryllama", layers="alma", lora=LoRAConfig(rank=4), lora_layers="all", memory={"chunk_size": 32})), 128),
+    "backbone_llama_debug_memoryllama_thesis": (DecoderLM, backbone.model_config("llama_debug", graft=GraftConfig(
+        kind="memoryllama", layers="alma", memory=THESIS_MEMORY)), 128),
     "backbone_qwen3_debug_mone": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(
         kind="mone", layers="1,3", lora=LoRAConfig(rank=4, targets=("q", "k", "v")), memory={"segment": 32})), 128),
     "backbone_qwen3_debug_mone_partial": (DecoderLM, backbone.model_config("qwen3_debug", graft=GraftConfig(
@@ -86,6 +89,7 @@ GRADMEM = {
     "gradient_k1": gradmem.model_config("kv_debug", gradmem={"write_steps": 1}),
     "gradient_k2": gradmem.model_config("kv_debug"),
     "gradient_k2_no_write_head": gradmem.model_config("kv_debug", gradmem={"write_head": False}),
+    "gradient_k2_first_order": gradmem.model_config("kv_debug", gradmem={"meta_gradient": "first"}),
     "forward_k2": gradmem.model_config("kv_debug", gradmem={"write": "forward"}),
     "grafted_lora_frozen_backbone": gradmem.model_config("qwen3_debug", graft=GraftConfig(kind="lora")),
 }

@@ -1,8 +1,10 @@
 """GradMem (models/memory/gradmem.py, models/lms/gradmem.py, torchtitan_ext/gradmem.py): the
 second-order meta-gradient against finite differences and a plain per-sample reference
-(float64), batch independence, the write lowering its loss, the read never seeing the context,
-causality, the memory mattering, meta device, bad input, and training through torchtitan on
-1 and 2 processes."""
+(float64), the first-order one against the reference with the inner gradient detached, batch
+independence, the write lowering its loss, the read never seeing the context, causality, the
+memory mattering, meta device, bad input, exact-match scoring against an independent greedy
+decode, Table 1's Transformer baseline, the replication script's seed pooling, and training
+through torchtitan on 1 and 2 processes."""
 
 from __future__ import annotations
 
@@ -47,21 +49,26 @@ def outer_loss(model, tokens, positions, labels, weight=0.5):
     return (read + weighted_write_loss(write_loss, labels, weight)) / (labels != -100).sum()
 
 
-def plain_outer_loss(model, tokens, labels, weight=0.5):
+def plain_outer_loss(model, tokens, labels, weight=0.5, meta_gradient="second"):
     """The same objective written sample by sample from the paper's equations: K steps of
     M <- M - alpha grad L_write(M), L_write = mean NLL of the context after [M; c_<i]
-    (WRITE head = LM head + Delta), then [M; read tokens] -> cross-entropy on the labels."""
+    (WRITE head = LM head + Delta), then [M; read tokens] -> cross-entropy on the labels.
+    meta_gradient "first": each inner gradient detached; "none": M_0 detached as well."""
     g = model.gradmem
     total, count = 0.0, (labels != -100).sum()
     for b in range(tokens.shape[0]):
         context, read = tokens[b : b + 1, :N], tokens[b : b + 1, N:]
         memory = g.memory_init[None]
+        if meta_gradient == "none":
+            memory = memory.detach().requires_grad_()
         for _ in range(g.cfg.write_steps):
             x = torch.cat([memory, model.tok_embeddings(context)], 1)
             h = model.decode(x, torch.arange(x.shape[1])[None])[:, g.cfg.n_mem - 1 : -1]
             logits = F.linear(h, model.lm_head.weight + g.memory_write_head)
             write = F.cross_entropy(logits[0], context[0])
             (grad,) = torch.autograd.grad(write, memory, create_graph=True)
+            if meta_gradient != "second":
+                grad = grad.detach()
             memory = memory - g.cfg.inner_lr * grad
         x = torch.cat([memory, model.tok_embeddings(read)], 1)
         logits = model.lm_head(model.decode(x, torch.arange(x.shape[1])[None]))[0, g.cfg.n_mem:]
@@ -101,19 +108,41 @@ def test_meta_gradient_equals_a_plain_reference_and_finite_differences(float64):
     assert checked >= 8  # the checked entries carry gradient
 
 
-def test_second_order_terms_are_not_dropped(float64):
-    """A first-order write (inner gradient detached) gives another weight gradient: the test
-    above would catch a write loop that lost its graph."""
-    model = small(torch.float64)
+@pytest.mark.parametrize("meta_gradient", ["first", "none"])
+def test_first_order_meta_gradient_equals_a_reference_that_detaches_the_inner_gradient(float64, meta_gradient):
+    """Table 1's "w/o meta-learning" (meta_gradient "first"; "none" also detaches M_0): every
+    trainable tensor's outer gradient equals the plain reference with the inner gradient
+    detached within 1e-10, and differs from the second-order gradient (the second-order
+    terms are really dropped, and really there by default)."""
+    model = small(torch.float64, write_steps=2, meta_gradient=meta_gradient)
+    with torch.no_grad():
+        model.gradmem.memory_write_head.normal_(std=0.1)
     tokens, positions, labels = rows(2)
-    weight = model.layers["0"].attention.wq.weight
-    (full,) = torch.autograd.grad(outer_loss(model, tokens, positions, labels), [weight])
-    original = torch.autograd.grad
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.autograd, "grad", lambda out, inputs, create_graph=False, **kw: tuple(
-            g.detach() for g in original(out, inputs, create_graph=create_graph, **kw)))
-        (first_order,) = original(outer_loss(model, tokens, positions, labels), [weight])
-    assert (full - first_order).abs().max() > 1e-6
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    ours = torch.autograd.grad(outer_loss(model, tokens, positions, labels), params, allow_unused=True)
+    with sdpa_kernel([SDPBackend.MATH]):
+        plain = torch.autograd.grad(plain_outer_loss(model, tokens, labels, meta_gradient=meta_gradient), params,
+                                    allow_unused=True)
+        second = torch.autograd.grad(plain_outer_loss(model, tokens, labels), params)
+    for name, a, b in zip(names, ours, plain):
+        if b is None:  # M_0 under "none": no outer gradient in the reference, none or zero in ours
+            assert name == "gradmem.memory_init" and meta_gradient == "none" and (a is None or not a.any())
+            continue
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
+    grads = dict(zip(names, ours))
+    if meta_gradient == "first":  # M_0 still trains, through the identity path
+        assert grads["gradmem.memory_init"].abs().max() > 1e-6
+    differs = [n for n, a, b in zip(names, ours, second) if a is not None and (a - b).abs().max() > 1e-6]
+    assert "layers.0.attention.wq.weight" in differs and "tok_embeddings.weight" in differs, differs
+
+
+def test_first_order_write_is_the_second_order_one_at_evaluation():
+    """The mode changes only the outer gradient: without gradients the written memory is the same."""
+    context = torch.randint(0, VOCAB, (2, N), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        memories = [small(meta_gradient=mode).write(context, torch.full((2,), N))[0] for mode in ("second", "first")]
+    torch.testing.assert_close(memories[0], memories[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("write", ["gradient", "forward"])
@@ -212,7 +241,7 @@ def test_write_and_read_on_the_meta_device_with_a_float32_memory(write, dtype):
 
 def test_bad_config_and_rows_are_one_line_errors():
     for fields, message in (({"write_steps": 0}, "K >= 1"), ({"n_mem": 0}, "m >= 1"), ({"write": "x"}, "unknown"),
-                            ({"inner_lr": 0.0}, "positive")):
+                            ({"inner_lr": 0.0}, "positive"), ({"meta_gradient": "third"}, "meta_gradient")):
         with pytest.raises(ValueError, match=message):
             GradMemConfig(**fields)
     model = small()
@@ -223,25 +252,45 @@ def test_bad_config_and_rows_are_one_line_errors():
         model.stream(tokens)
 
 
-def test_answers_come_from_the_memory_alone(monkeypatch):
-    """exact_match writes each context and answers from [memory; query]: a model whose read
-    is told the value scores 1, and a different context cannot leak into the answer."""
+def test_exact_match_scores_the_models_own_greedy_answers_from_the_memory():
+    """exact_match (batched by query length, contexts of 1-6 pairs padded together, K passed
+    at call time) against an independent per-sample greedy decode through the model's
+    training forward ([context | query + answer so far], positions restarting at the query,
+    K set in the config): samples whose gold value is the model's own answer score 1, the
+    others 0. The model is scrambled (weights N(0, 0.3), alpha 5) so its answers depend on the
+    context."""
+    from torchtitan_ext.gradmem import model_config
     from torchtitan_ext.kv_tokenizer import build
+    from torchtitan_ext.synthetic_tasks import Sample
     from torchtitan_ext.tokenizer import AssetsTokenizer
 
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(build()))
-    samples = [kv_pairs(random.Random(i), 4) for i in range(3)]
-    model = small()
-    model.cfg.vocab_size = VOCAB
-    generated = []
-
-    def fake_generate(context, lengths, query, new_tokens, steps=None):
-        generated.append((context.shape, query.shape, new_tokens, steps))
-        return torch.tensor([tokenizer.encode(s.answers[0], add_bos=False, add_eos=False) for s in samples])
-
-    monkeypatch.setattr(model, "generate", fake_generate)
-    assert exact_match(model, tokenizer, samples, steps=5) == [1.0, 1.0, 1.0]
-    assert generated == [((3, 30), (3, 5), 2, 5)]  # BOS + 4 x 7 + "|"; "?!kk:"
+    torch.manual_seed(0)
+    model = GradMemLM(model_config("kv_debug", gradmem={"inner_lr": 5.0, "write_steps": 1})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(std=0.3)
+    reference = GradMemLM(model_config("kv_debug", gradmem={"inner_lr": 5.0, "write_steps": 3})).eval()
+    reference.load_state_dict(model.state_dict())
+    drawn = [kv_pairs(random.Random(i), n) for i, n in enumerate([2, 5, 3, 6, 4, 1, 2, 3])]
+    own = []
+    for sample in drawn:  # greedy, one sample at a time, through forward
+        context = tokenizer.encode(sample.context, add_bos=True, add_eos=False)
+        read = tokenizer.encode(sample.query, add_bos=False, add_eos=False)
+        for _ in range(2):
+            row = torch.tensor([context + read])
+            positions = torch.cat([torch.arange(len(context)), torch.arange(len(read))])[None]
+            with torch.no_grad():
+                logits, _ = reference(row, positions)
+            read.append(int(logits[0, -1].argmax()))
+        own.append(tokenizer.decode(read[-2:]))
+    assert len(set(own)) > 4, own  # the answers vary with the context
+    gold = [answer if i % 2 == 0 else s.answers[0] for i, (s, answer) in enumerate(zip(drawn, own))]
+    samples = [Sample(s.context, s.query, [g]) for s, g in zip(drawn, gold)]
+    expected = [float(g == answer) for g, answer in zip(gold, own)]
+    assert expected[0::2] == [1.0] * 4 and sum(expected[1::2]) == 0, (own, gold)
+    assert exact_match(model, tokenizer, samples, steps=3) == expected
 
 
 PREFLIGHT = [sys.executable, "-m", "torchtitan_ext.preflight", "--module", "train_configs.gradmem", "--config",
@@ -259,6 +308,78 @@ def test_options_the_write_loop_cannot_take_are_refused(args, message):
     proc = subprocess.run(PREFLIGHT + args, cwd=REPO, capture_output=True, text=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_trains_through_torchtitan_and_one_and_two_processes_agree(tmp_path):
+    """From one seed checkpoint, 4 steps of gradmem_kv_debug on 1 process and on 2 (DDP, the
+    same global batch of 4 split 2 + 2): losses within 1e-4. Then eval_tasks.py --mode gradmem
+    scores the two checkpoints under one label as two seeds (pooled over both, each seed's
+    scores kept) per K x pairs, and refuses K = 0 and rows past the model's context (exit 2,
+    nothing written)."""
+    import json
+    import shutil
+
+    args = ["--module", "train_configs.gradmem", "--config", "gradmem_kv_debug", "--training.steps", "4",
+            "--validator.freq", "4", "--training.global_batch_size", "4"]  # 2 ranks: 2 rows each
+    one, two = tmp_path / "one", tmp_path / "two"
+    seed = train(args + ["--dump_folder", str(one), "--checkpoint.create-seed-checkpoint"])
+    assert seed.returncode == 0, seed
+    shutil.copytree(one, two)
+    single = train(args + ["--dump_folder", str(one)])
+    double = train(args + ["--dump_folder", str(two)], nproc=2)
+    assert single.returncode == 0 and double.returncode == 0, (single, double)
+    assert "local batch 4 -> 2 sequences to fit the global batch of 4 on 2 ranks" in double.output
+    assert max(abs(single.losses[s] - double.losses[s]) / single.losses[s] for s in single.losses) < 1e-4
+
+    from eval_tasks import main as eval_main
+
+    def scored(out: str, pairs: str = "4,8", steps: str = "1,3") -> None:
+        argv = []
+        for run in (one, two):
+            argv += ["--checkpoint", str(run / "checkpoint" / "step-4"), "--config",
+                     "train_configs.gradmem:gradmem_kv_debug", "--mode", "gradmem", "--label", "kv_debug"]
+        eval_main(argv + ["--pairs", pairs, "--write-steps", steps, "--samples", "8", "--out", str(tmp_path / out)])
+
+    scored("eval")
+    results = json.loads((tmp_path / "eval" / "gradmem.json").read_text())
+    assert [(r["k"], r["seeds"], [c["pairs"] for c in r["cells"]]) for r in results["rows"]] == [(1, 2, [4, 8]),
+                                                                                                  (3, 2, [4, 8])]
+    for cell in (c for r in results["rows"] for c in r["cells"]):
+        scores = [x for seed in cell["scores_per_seed"] for x in seed]
+        assert len(scores) == 16 and set(scores) <= {0.0, 1.0} and cell["em"] == pytest.approx(sum(scores) / 16)
+        assert cell["ci"][0] <= cell["em"] <= cell["ci"][1] and len(cell["summary"]["per_seed"]) == 2
+    for bad_input in ({"steps": "0"}, {"pairs": "200"}):  # K = 0; rows of 1,409 tokens past max_seq_len 1,024
+        with pytest.raises(SystemExit) as bad:
+            scored("bad", **bad_input)
+        assert bad.value.code == 2 and not (tmp_path / "bad").exists()
+
+
+def test_the_replication_script_runs_the_paper_texts_first_order_setting_and_pools_seeds(tmp_path):
+    """replicate_gradmem_kv.py with a first-order method, the paper text's outer loss (write
+    weight 0) and the memory projection, 2 seeds of 3 steps: each cell pools both seeds'
+    per-sample scores (seeds-then-samples interval, each seed's figure in the table); a bad
+    method is refused with exit 2."""
+    import json
+
+    from replicate_gradmem_kv import main as replicate
+
+    out = tmp_path / "out"
+    replicate(["--out", str(out), "--seeds", "0,1", "--methods", "gradient:1:1.0:first", "--stages", "1",
+               "--steps", "3", "--batch", "4", "--warmup", "1", "--samples", "4", "--eval-pairs", "1,2",
+               "--eval-k", "1", "--write-weight", "0", "--projection"])
+    results = json.loads((out / "results.json").read_text())
+    assert (results["write_weight"], results["projection"], results["samples"]) == (0.0, True, 4)
+    (row,) = results["rows"]
+    assert (row["meta_gradient"], row["seeds"], row["label"]) == ("first", 2, "trained with K=1, alpha 1.0, first order")
+    for cell in row["cells"]:
+        assert [len(s) for s in cell["scores_per_seed"]] == [4, 4]
+        assert cell["em"] == pytest.approx(sum(map(sum, cell["scores_per_seed"])) / 8)
+        assert [s["value"] for s in cell["summary"]["per_seed"]] == [sum(s) / 4 for s in cell["scores_per_seed"]]
+    assert "; seeds " in (out / "results.md").read_text() and (out / "gradmem_kv.png").is_file()
+    with pytest.raises(SystemExit) as bad:
+        replicate(["--out", str(tmp_path / "bad"), "--methods", "gradient:1:1.0:third"])
+    assert bad.value.code == 2 and not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("config", ["gradmem_kv", "gradmem_kv_forward"])
@@ -282,6 +403,55 @@ def test_the_paper_configs_take_table_1s_largest_rows(config):
         (logits.logsumexp(-1).mean() + losses.sum()).backward()
     assert memory.shape == (2, 8, 128) and logits.shape == (2, read, 70)
     assert all(p.grad is not None for p in model.gradmem.parameters())
+
+
+def test_the_transformer_baseline_reads_the_context_with_full_attention_and_trains():
+    """gradmem_kv_transformer (Table 1's Transformer, M = KV-cache): the GradMem KV model's
+    Llama shape with no memory (4 layers, 4 heads, dim 128, FFN 512, tied, 70 tokens; RoPE
+    theta 10,000 unscaled), rows [BOS context query answer] as one document (positions
+    0..L-1, loss on the answer); changing the context moves the answer's logits (the query
+    attends to it), and 30 AdamW steps on its 4-pair rows lower the answer loss. Its preflight
+    passes at Table 1's largest stage (96 pairs)."""
+    from models.backbones.decoder_lm import DecoderLM
+    from torchtitan_ext.kv_tokenizer import build
+    from torchtitan_ext.task_data import TaskDataset
+    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from train_configs.gradmem import gradmem_kv_transformer, kv_row
+
+    config = gradmem_kv_transformer()
+    cfg = config.model_spec.model.model
+    assert (type(cfg).__name__, cfg.n_layers, cfg.n_heads, cfg.dim, cfg.ffn_hidden, cfg.vocab_size, cfg.rope_scaling,
+            cfg.rope_theta) == ("DecoderLMConfig", 4, 4, 128, 512, 70, None, 10_000.0)
+    loader = config.dataloader
+    assert (loader.split_context, loader.question, config.training.seq_len) == (False, "continue", kv_row(4))
+    tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(build()))
+    data = iter(TaskDataset(["kv_retrieval"], tokenizer, kv_row(4), 0, False, True, 0, 0, 1, pairs=(4,),
+                            question=loader.question))
+    torch.manual_seed(0)
+    model = DecoderLM(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(30):
+        items = [next(data) for _ in range(16)]
+        tokens, positions = (torch.stack([x[key] for x, _ in items]) for key in ("input", "positions"))
+        labels = torch.stack([y for _, y in items])
+        assert (positions == torch.arange(kv_row(4))).all()  # one document: the query follows the context
+        loss = F.cross_entropy(model(tokens, positions).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
+    answer = int((labels[0] != -100).nonzero()[0])  # the first answer prediction, after the query
+    changed = tokens[:1].clone()
+    changed[0, 1:answer - 5] = torch.roll(changed[0, 1:answer - 5], 7)  # the context's characters, not the query's
+    with torch.no_grad():
+        moved = (model(changed, positions[:1]) - model(tokens[:1], positions[:1]))[0, answer].abs().max()
+    assert moved > 1e-3
+    stage = ["--dataloader.pairs", "96", "--validator.dataloader.pairs", "96", "--training.seq_len", str(kv_row(96))]
+    proc = subprocess.run(PREFLIGHT[:-1] + ["gradmem_kv_transformer"] + stage, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 WRITE_AND_READ_IN_PLAIN_TRANSFORMERS = """

@@ -61,10 +61,12 @@ def newton_schulz(rows: int, cols: int, steps: int) -> float:
 def neural_memory(cfg: NeuralMemoryConfig) -> float:
     """Forward FLOPs per written token: projections, conv, memory reads of q and k, the
     explicit gradient (back through all but the first matrix, then K weighted outer-product
-    sums: K = 2 for the per-token rule, 1 per chunk), Newton-Schulz per chunk, output."""
+    sums: K = 2 for the per-token rule, 1 per chunk), Newton-Schulz per chunk, the output
+    projection (when on)."""
     inner = cfg.n_heads * cfg.head_dim
     shapes = cfg.layer_shapes()
-    flops = linear(cfg.dim, 3 * inner) + linear(cfg.dim, 3 * cfg.n_heads) + linear(inner, cfg.dim)
+    flops = linear(cfg.dim, 3 * inner) + linear(cfg.dim, 3 * cfg.n_heads)
+    flops += linear(inner, cfg.dim) if cfg.output_proj else 0
     flops += 2 * 3 * inner * cfg.conv_kernel
     flops += linear(cfg.dim, cfg.n_heads) if cfg.output_gate else 0
     weightings = 2 if cfg.gates == "token" else 1
@@ -132,7 +134,7 @@ def decoder_lm(cfg: DecoderLMConfig, seq_len: int) -> float:
     backbone = cfg.n_layers * (decoder_block_linears(cfg) + attention_span(q, seq_len)) + linear(d, cfg.vocab_size)
     if graft.kind == "memoryllama":
         memory = memory_config(d, graft.memory)
-        read_h = linear(d, d) + memory_mlp(memory) + linear(d, d)
+        read_h = linear(d, d) + memory_mlp(memory) + (linear(d, d) if memory.output_proj else 0)
         per_block = neural_memory(memory) + read_h + linear(2 * d, d) + linear(d, d)
         grafted = len(graft_layers(graft.layers, cfg.n_layers))
         added += grafted * per_block
@@ -235,6 +237,9 @@ def gradmem_row(cfg: GradMemLMConfig, context: int, read: int) -> float:
     attention) and the outer backward through both (the forward's: 2 / 1 per linear, 2 per
     attention; the inner gradient's double backward, each of its products differentiated in
     both inputs: 2 / 1 per linear, 4 per attention); the WRITE head's Delta is trained.
+    First-order writes (`meta_gradient` "first" / "none"): each step is the forward and the
+    inner gradient only, and the outer backward runs through the last step's forward alone
+    (the write-loss term; no double backward).
     Forward WRITE, per step over [M; C; M] (2m + c tokens): a trained forward + backward.
     The read trains as a plain step over its m + r tokens. The optional memory projection P
     (m x d x d per write, off in the KV runs) is not counted."""
@@ -252,8 +257,13 @@ def gradmem_row(cfg: GradMemLMConfig, context: int, read: int) -> float:
     if cfg.gradmem.write == "gradient":
         span = m + context
         write_head = head if cfg.gradmem.write_head else 0.0
-        per_step = span * ((2 + 2 * trained) * lin + 6 * adapters + 9 * att(span)) + \
-            context * ((2 + 2 * trained) * head + 6 * write_head)
+        if cfg.gradmem.meta_gradient == "second":
+            per_step = span * ((2 + 2 * trained) * lin + 6 * adapters + 9 * att(span)) + \
+                context * ((2 + 2 * trained) * head + 6 * write_head)
+        else:
+            write_and_gradient = span * (2 * lin + 2 * adapters + 3 * att(span)) + context * (2 * head + 2 * write_head)
+            last_backward = span * (trained * lin + 2 * adapters + 2 * att(span)) + context * (trained * head + 2 * write_head)
+            per_step = write_and_gradient + last_backward / steps
     else:
         span = 2 * m + context
         per_step = span * plain_step(span)

@@ -34,9 +34,12 @@ from models.lms.gradmem import GradMemLM, GradMemLMConfig
 from models.memory.gradmem import gradmem_diagnostics
 from torchtitan_ext import backbone, flops
 from torchtitan_ext.errors import UserError
+from torchtitan_ext.eval.stats import summarize_seeds
 from torchtitan_ext.families import Family
 from torchtitan_ext.synthetic_tasks import kv_pairs, score
 
+# The public KV scripts' model: Llama-3.2-1B's config with 4 layers, 4 heads, width 128, FFN 4 x 128, so
+# theta 500,000 and Llama 3's RoPE scaling come with it (the paper names only "a 4-layer Llama").
 KV = dict(vocab_size=70, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=512, tie_embeddings=True,
           rope_scaling=backbone.LLAMA3_2_ROPE, max_seq_len=1024)  # 96 pairs take 681 tokens
 FLAVORS = {
@@ -139,9 +142,9 @@ def kv_cell(model: GradMemLM, tokenizer, pairs: int, steps: int, samples: int, s
             batch: int = 64) -> dict:
     """One cell of the exact-match table: `samples` held-out KV-retrieval samples of `pairs`
     pairs (drawn from `seed`), written with `steps` WRITE steps and answered from the memory ->
-    {"pairs", "em", "ci" (95% Wilson interval), "write_loss" (L_write(M_K) averaged over the
-    first `batch` samples; None for the forward write)}. UserError when the samples do not fit
-    the model's max_seq_len."""
+    {"pairs", "scores" (per sample, 0 / 1), "write_loss" (L_write(M_K) averaged over the first
+    `batch` samples; None for the forward write)} | `em_summary([scores])`. UserError when the
+    samples do not fit the model's max_seq_len."""
     rng = random.Random(f"{seed}-gradmem-kv-{pairs}")
     items = [kv_pairs(rng, pairs) for _ in range(samples)]
     longest = max(len(tokenizer.encode(s.context + s.query, add_bos=True, add_eos=False)) for s in items)
@@ -159,8 +162,22 @@ def kv_cell(model: GradMemLM, tokenizer, pairs: int, steps: int, samples: int, s
         memory, _ = model.write(tokens, lengths, steps)
         with torch.no_grad():
             write_loss = model.write_loss(memory, tokens, lengths).mean().item()
-    return {"pairs": pairs, "em": sum(scores) / len(scores), "ci": wilson_interval(sum(scores), len(scores)),
-            "write_loss": write_loss}
+    return {"pairs": pairs, "scores": scores, "write_loss": write_loss, **em_summary([scores])}
+
+
+def em_summary(per_seed: list[list[float]]) -> dict:
+    """Exact match of one cell over one or more training seeds (per-sample 0 / 1 scores of
+    each): {"em" (pooled), "ci" (95%, seeds resampled then samples: `stats.summarize_seeds`,
+    statistic "mean"; one seed: samples only), "summary" (the per-seed figures beside it)}."""
+    summary = summarize_seeds(per_seed, statistic="mean")
+    return {"em": summary["pooled"], "ci": summary["ci95"], "summary": summary}
+
+
+def pool_cells(cells: list[dict]) -> dict:
+    """The same `kv_cell` of several training seeds as one: `em_summary` over their scores,
+    with each seed's scores and final write loss kept."""
+    return {"pairs": cells[0]["pairs"], "scores_per_seed": [c["scores"] for c in cells],
+            "write_loss_per_seed": [c["write_loss"] for c in cells], **em_summary([c["scores"] for c in cells])}
 
 
 def _sum_gradients(_state, bucket):
@@ -206,13 +223,3 @@ FAMILY = Family(name="gradmem", summary="GradMem: a prefix memory written by tes
                 check_hf_folder=backbone.FAMILY.check_hf_folder, check_config=check_config,
                 diagnostics=gradmem_diagnostics, flops_per_token=flops.gradmem)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec
-
-
-def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion (exact match over samples)."""
-    if trials == 0:
-        return 0.0, 1.0
-    p = successes / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * ((p * (1 - p) / trials + z * z / (4 * trials * trials)) ** 0.5) / (1 + z * z / trials)
-    return max(0.0, centre - half), min(1.0, centre + half)

@@ -19,10 +19,16 @@ Section 2.1 and appendix C, with the authors' public code's choices where the pa
   head is loaded over the init (a copy taken at init would hold the random head). Where the LM
   head trains too (from scratch) the write head follows it, plus its own Delta.
 - READ, eq. (2): [P(M_K); query tokens] from position 0 -> their final-normed hidden states.
-- Meta-learning: with gradients enabled the inner gradients keep their graph (create_graph),
-  so the outer loss reaches theta and M_0 through all K steps (second order). With gradients
-  off (evaluation) the write still differentiates the reconstruction loss w.r.t. the memory,
-  and nothing else.
+- Meta-learning (`meta_gradient`, the public code's `grad_mode`): "second" (default, section 2.1
+  and appendix A "we backpropagate through the WRITE optimization"): with gradients enabled
+  the inner gradients keep their graph (create_graph), so the outer loss reaches theta and M_0
+  through all K steps. "first" (first-order, FOMAML; appendix A: "first-order approximations
+  were not sufficient", the reading taken here of Table 1's "w/o meta-learning" rows): each
+  inner gradient is detached, M_K = M_0 - alpha sum_k stopgrad(g_k), so the outer gradient
+  reaches M_0 through the identity path only and theta through the read (and the write-loss
+  term) only. "none" (the public code's other mode): M_0 is detached too and gets no outer
+  gradient. With gradients off (evaluation) the write differentiates the reconstruction loss
+  w.r.t. the memory, and nothing else, whatever the mode.
 - Forward WRITE (the paper's RMT baseline, Table 1): M_{k+1} = the final-normed hidden states
   of the m trailing memory tokens of [P(M_k); C; P(M_k)] (their positions follow each row's
   context); K forward writes are the table's "xK memory updates".
@@ -43,6 +49,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel, SDPBackend
 
 WRITES = ("gradient", "forward")
+META_GRADIENTS = ("second", "first", "none")
 
 
 @dataclass
@@ -54,10 +61,13 @@ class GradMemConfig:
     memory_projection: bool = False  # P, appendix C (i)
     write_head: bool = True  # a separate WRITE head, appendix C (ii)
     init_std: float = 0.02  # M_0 ~ N(0, init_std)
+    meta_gradient: str = "second"  # "second" | "first" (Table 1's "w/o meta-learning") | "none" (module docstring)
 
     def __post_init__(self):
         if self.write not in WRITES:
             raise ValueError(f"GradMem write '{self.write}' unknown: choose one of {WRITES}")
+        if self.meta_gradient not in META_GRADIENTS:
+            raise ValueError(f"GradMem meta_gradient '{self.meta_gradient}' unknown: choose one of {META_GRADIENTS}")
         if self.n_mem < 1:
             raise ValueError(f"GradMem n_mem {self.n_mem}: the memory needs at least one vector (m >= 1)")
         if self.write_steps < 1:
@@ -153,18 +163,25 @@ class GradMem(nn.Module):
                 self.last_stats |= {"write_loss_first": losses[0].mean(), "write_loss_last": losses[-1].mean()}
 
     def _gradient_write(self, host, memory, emb, context, lengths, steps):
+        """K gradient steps (module docstring, "Meta-learning"). Under "first" / "none" only the
+        last step's graph is kept (the outer loss reads L_write(M_{K-1})); the earlier losses
+        are returned detached."""
         meta_learning = torch.is_grad_enabled()
+        second_order = meta_learning and self.cfg.meta_gradient == "second"
         losses = []
         with torch.enable_grad():
             if not meta_learning:
-                memory, emb = memory.detach().clone().requires_grad_(), emb.detach()
-            for _ in range(steps):
+                emb = emb.detach()
+            if not meta_learning or self.cfg.meta_gradient == "none":
+                memory = memory.detach().clone().requires_grad_()
+            for k in range(steps):
                 loss = self.reconstruction_loss(host, memory, context, lengths, emb)
-                (grad,) = torch.autograd.grad(loss.sum(), memory, create_graph=meta_learning)
+                kept = second_order or (meta_learning and k == steps - 1)
+                (grad,) = torch.autograd.grad(loss.sum(), memory, create_graph=second_order, retain_graph=kept)
                 memory = memory - self.cfg.inner_lr * grad
                 if not meta_learning:
-                    memory, loss = memory.detach().requires_grad_(), loss.detach()
-                losses.append(loss)
+                    memory = memory.detach().requires_grad_()
+                losses.append(loss if kept else loss.detach())
         return (memory if meta_learning else memory.detach()), torch.stack(losses)
 
     def _forward_write(self, host, memory, emb, lengths, steps):
