@@ -23,7 +23,9 @@ Modes (one per checkpoint, or one for all):
 - sliding: each token sees up to `--window` earlier tokens (windows advance by half a window).
 
 Datasets: `embedded` (held-out split of the embedded corpus), `fineweb_edu` (its held-out
-split, streamed), `pg19` (`deepmind/pg19` test split, streamed), or a local
+split, streamed), `pg19` (`deepmind/pg19` test split, streamed), `kjv` (the King James
+Bible's 66 books from Debian's bible-kjv, offline), `locomo:<locomo10.json>` (each LoCoMo
+conversation's dialogue; torchtitan_ext/locas_data.py), or a local
 .txt/.jsonl/.parquet file or folder: its held-out split (the documents training's
 `local` dataset never reads: the same hash split as its validation), or with `--split all`
 every document (for a file held out by hand). The results state which.
@@ -40,7 +42,10 @@ methods truncated, full, templora, locas_glu[:init], locas_mlp[:bp|nlsvd]; repor
 perplexity against tokens read, time per token, extra parameters and a forgetting probe
 (`--probe-docs` held-out documents of `--probe-dataset`), in results.json, results.md and
 cumulative_ppl.png. A document shorter than one chunk stops the run (`--min-doc-tokens` skips
-short ones); `--dataset pg19` streams PG-19's test split from the Hub.
+short ones, `--max-doc-tokens` cuts long ones); `--dataset pg19` streams PG-19's test split
+from the Hub. `--seeds 0,1,2` reads the documents once per seed with the methods that draw at
+random (TempLoRA, Locas-GLU's random_select / gaussian); intervals resample seeds, then
+documents. `--locas-gradient token` grows Locas-MLP from the paper's per-token gradient.
 
     python scripts/eval_long_ppl.py --checkpoint <hf folder> --config train_configs.backbone:backbone_qwen3_debug \
         --ttt truncated,templora,locas_glu,locas_glu:random_select --window 256 --dataset <book.txt> --split all --out <dir>
@@ -63,8 +68,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from models.memory.locas import MLP_GRADIENTS
 from torchtitan_ext.checkpoints import causal_logits, model_from_checkpoint
 from torchtitan_ext.errors import UserError
+from torchtitan_ext.eval.stats import bootstrap
 from torchtitan_ext.hf_export import import_weights
 from torchtitan_ext.paths import staged_folder
 
@@ -125,13 +132,23 @@ def documents(dataset: str, split: str = "heldout"):
         from datasets import load_dataset
 
         yield from (s["text"] for s in load_dataset("deepmind/pg19", split="test", streaming=True))
+    elif dataset == "kjv":
+        from torchtitan_ext.locas_data import kjv_books
+
+        yield from kjv_books()
+    elif dataset.startswith("locomo:"):
+        from torchtitan_ext.locas_data import load_locomo
+
+        yield from (c.text() for c in load_locomo(dataset.removeprefix("locomo:")))
     else:
         held_out = split == "heldout"
         yield from datasets.load_local(dataset, validation=held_out, **({} if held_out else {"per_mille": 0}))["text"]
 
 
-def long_documents(dataset: str, tokenizer, min_tokens: int, max_docs: int, split: str = "heldout") -> list[list[int]]:
-    """Token ids (BOS first) of the first `max_docs` documents of at least `min_tokens` tokens."""
+def long_documents(dataset: str, tokenizer, min_tokens: int, max_docs: int, split: str = "heldout",
+                   max_tokens: int | None = None) -> list[list[int]]:
+    """Token ids (BOS first) of the first `max_docs` documents of at least `min_tokens` tokens,
+    each cut to its first `max_tokens` (when given)."""
     from tqdm import tqdm
 
     found = []
@@ -139,7 +156,7 @@ def long_documents(dataset: str, tokenizer, min_tokens: int, max_docs: int, spli
         for text in documents(dataset, split):
             ids = tokenizer.encode(text, add_bos=True, add_eos=False)
             if len(ids) >= min_tokens:
-                found.append(ids)
+                found.append(ids[:max_tokens])
                 bar.update()
                 if len(found) == max_docs:
                     break
@@ -209,13 +226,6 @@ def add_paired_ratio(cell: dict, reference: dict) -> None:
     diff = torch.tensor(cell["doc_nll"], dtype=torch.float64) - torch.tensor(reference["doc_nll"], dtype=torch.float64)
     cell["ratio_to_first"] = math.exp(diff.mean().item())
     cell["ratio_to_first_ci95"] = list(bootstrap(diff))
-
-
-def bootstrap(per_doc: torch.Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% interval of exp(mean) over documents resampled with replacement; per_doc (D,)."""
-    picks = torch.randint(0, len(per_doc), (resamples, len(per_doc)), generator=torch.Generator().manual_seed(seed))
-    means = per_doc[picks].mean(1).exp().sort().values
-    return means[int(0.025 * resamples)].item(), means[int(0.975 * resamples) - 1].item()
 
 
 def markdown(results: dict) -> str:
@@ -304,10 +314,11 @@ def run_ttt(args: argparse.Namespace) -> dict:
     window = entry.window
     protocol = Protocol(chunk=args.chunk or window // 2, window=window, full_window=args.full_window or entry.max_seq_len,
                         rank=args.ttt_rank, lr=args.ttt_lr, templora_lr=args.templora_lr, steps=args.ttt_steps,
-                        layers=args.locas_layers, value_scale=args.value_scale)
+                        layers=args.locas_layers, value_scale=args.value_scale,
+                        gradient=args.locas_gradient, seeds=parse_seeds(args.seeds))
     protocol.check(entry.max_seq_len)
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=tokenizer_dir)
-    docs = long_documents(args.dataset, tokenizer, args.min_doc_tokens, args.max_docs, args.split)
+    docs = long_documents(args.dataset, tokenizer, args.min_doc_tokens, args.max_docs, args.split, args.max_doc_tokens)
     if not docs:
         raise UserError(f"no document of at least {args.min_doc_tokens} tokens in '{args.dataset}'")
     probes = long_documents(args.probe_dataset, tokenizer, 2, args.probe_docs) if args.probe_docs else []
@@ -316,6 +327,14 @@ def run_ttt(args: argparse.Namespace) -> dict:
         export_merged(entry.model, specs, docs[-1], protocol, args.config[0], args.merge_out)
     return {"dataset": args.dataset, "split": dataset_split(args.dataset, args.split), "device": args.device,
             "dtype": str(args.dtype).removeprefix("torch."), "checkpoint": args.checkpoint[0], **results}
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """'0,1,2' -> (0, 1, 2); UserError on anything else."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--seeds '{text}' must be comma-separated integers, e.g. 0,1,2") from None
 
 
 def export_merged(base: torch.nn.Module, specs: list[str], document: list[int], protocol, config: str, out: Path) -> None:
@@ -373,6 +392,10 @@ def dataset_split(dataset: str, split: str) -> str:
         return "held-out split (never read by training)"
     if dataset == "pg19":
         return "test split"
+    if dataset == "kjv":
+        return "every book of the King James Bible (Debian's bible-kjv; no model here trained on it)"
+    if dataset.startswith("locomo:"):
+        return "every LoCoMo conversation's dialogue"
     return "held-out split (never read by training)" if split == "heldout" else "every document (--split all)"
 
 
@@ -402,7 +425,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ttt.add_argument("--ttt-steps", type=int, default=1, help="updates per chunk")
     ttt.add_argument("--locas-layers", default="all", help="blocks with a Locas memory (all, alma, elma, gema:k, 0,3,...)")
     ttt.add_argument("--value-scale", type=float, default=1.0, help="Locas-MLP's value init scale eps")
+    ttt.add_argument("--locas-gradient", choices=MLP_GRADIENTS, default="chunk",
+                     help="Locas-MLP's G_t: of the chunk's log-likelihood, or of log p(x_t | x_<t) per token (A.1.6)")
+    ttt.add_argument("--seeds", default="0", help="comma-separated seeds: the methods that draw at random (templora, "
+                     "locas_glu:random_select|gaussian) read every document once per seed; intervals resample seeds, "
+                     "then documents")
     ttt.add_argument("--min-doc-tokens", type=int, default=0, help="skip documents shorter than this")
+    ttt.add_argument("--max-doc-tokens", type=int, help="read only each document's first N tokens")
     ttt.add_argument("--probe-dataset", default="embedded", help="held-out text of the forgetting probe")
     ttt.add_argument("--probe-docs", type=int, default=8, help="probe documents (0: no probe)")
     ttt.add_argument("--merge-out", type=Path, help="write the first Locas method's model after the last document, "

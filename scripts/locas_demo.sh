@@ -13,8 +13,11 @@
 # (and .json, cumulative_ppl.png). Documents: DOCS, a folder of text files (default: the
 # license texts of /usr/share/common-licenses, 0.4-9k tokens each, copied as .txt, less GPL-1:
 # the learning rates and Locas-MLP's eps were chosen on it, docs/benchmarks.md); or PG-19 books
-# you have. Environment: PRETRAIN_STEPS [400], RANK [16], OUT [outputs/locas_demo/<time>],
-# SKIP_SETUP=1. docs/benchmarks.md has a run's figures and what they show.
+# you have; or DOCS=kjv: the first KJV_DOCS [24] books of the King James Bible of 8K+ tokens
+# (Debian's bible-kjv: apt-get install bible-kjv), each cut to its first 8,193 tokens.
+# Environment: PRETRAIN_STEPS [400], RANK [16], SEEDS [0] (e.g. 0,1,2: TempLoRA and the random
+# inits once per seed), OUT [outputs/locas_demo/<time>], SKIP_SETUP=1. docs/benchmarks.md has a
+# run's figures and what they show.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
@@ -25,11 +28,17 @@ run=${OUT:-outputs/locas_demo/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$run/books"
 run=$(cd "$run" && pwd)
 docs=${DOCS:-/usr/share/common-licenses} tuned_on=${DOCS:+none}
-[ -d "$docs" ] || { echo "locas_demo: no folder '$docs': set DOCS to a folder of long text files" >&2; exit 2; }
-for f in "$docs"/*; do
-  name=$(basename "${f%.txt}")
-  [ -f "$f" ] && [ ! -L "$f" ] && [ "$name" != "${tuned_on:-GPL-1}" ] && cp "$f" "$run/books/$name.txt"
-done
+if [ "$docs" = kjv ]; then
+  command -v bible > /dev/null || { echo "locas_demo: DOCS=kjv needs Debian's bible-kjv: apt-get install bible-kjv" >&2; exit 2; }
+  dataset=(--dataset kjv --split all --min-doc-tokens 8193 --max-doc-tokens 8193 --max-docs "${KJV_DOCS:-24}")
+else
+  [ -d "$docs" ] || { echo "locas_demo: no folder '$docs': set DOCS to a folder of long text files, or DOCS=kjv" >&2; exit 2; }
+  for f in "$docs"/*; do
+    name=$(basename "${f%.txt}")
+    [ -f "$f" ] && [ ! -L "$f" ] && [ "$name" != "${tuned_on:-GPL-1}" ] && cp "$f" "$run/books/$name.txt"
+  done
+  dataset=(--dataset "$run/books" --split all --min-doc-tokens $((2 * chunk)) --max-docs 32)
+fi
 
 train() {  # train <name> <module> <config>
   echo "locas_demo: pretraining $3 (log: $run/$1.log)"
@@ -46,8 +55,8 @@ $PY scripts/convert_to_hf.py --module train_configs.backbone --config backbone_q
   --checkpoint "$run/backbone/checkpoint/step-$pretrain" --out "$run/backbone_hf"
 train mlp_lm train_configs.mlp_lm mlp_lm_debug
 
-common=(--dataset "$run/books" --split all --min-doc-tokens $((2 * chunk)) --max-docs 32 --chunk "$chunk"
-        --window "$window" --ttt-rank "$rank" --probe-docs 8 --templora-lr 4e-3)
+common=("${dataset[@]}" --chunk "$chunk" --window "$window" --ttt-rank "$rank" --probe-docs 8 --templora-lr 4e-3
+        --seeds "${SEEDS:-0}")
 echo "locas_demo: whole-book test-time training on the Qwen3 (log: $run/glu.log)"
 $PY scripts/eval_long_ppl.py "${common[@]}" --checkpoint "$run/backbone_hf" \
   --config train_configs.backbone:backbone_qwen3_debug --out "$run/glu" --merge-out "$run/merged_hf" \

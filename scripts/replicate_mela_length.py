@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from eval_long_ppl import bootstrap
+from torchtitan_ext.eval.stats import bootstrap
 
 CONTEXT = 128  # training context: 2 Mela chunks of P*C = 64 tokens
 CHUNK = 64  # P*C of mela_debug

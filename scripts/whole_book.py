@@ -13,7 +13,8 @@ Methods (one `Reader` each, all on one copy of the checkpoint's model per docume
   on each chunk, rows clipped after every update;
 - `locas_mlp[:bp|nlsvd]`: Locas-MLP, slots grown from each chunk's activations and
   gradients with NL-SVD compression at 2r (nlsvd), or grown once from the first chunk and
-  trained (bp, default).
+  trained (bp, default); `Protocol.gradient` ("chunk" or the paper's per-token "token")
+  picks the gradient (models/memory/locas.py).
 
 Choices where the paper is silent (also in docs/benchmarks.md): the window holds the chunk
 and up to `window - chunk` tokens before it (`chunk` < `window`; default chunk = window / 2);
@@ -22,7 +23,13 @@ on the chunk's mean NLL per chunk, the first of them on the scoring forward itse
 parameters, so scoring still precedes learning); Locas lr 4e-3 (the paper's Table 2 value),
 TempLoRA its own lr. Cumulative perplexity at N tokens: per document exp of the mean NLL of
 its first N scored tokens; across documents exp of the mean of those per-document means over
-documents of at least N scored tokens, with a 95% bootstrap interval over documents. Time per
+documents of at least N scored tokens. Seeds (`Protocol.seeds`): a method with a random draw
+(TempLoRA's A init, Locas-GLU's random_select and gaussian inits) reads every document once
+per seed; the others draw nothing and read each once. The 95% interval resamples seeds, then
+documents inside each (torchtitan_ext/eval/stats.py `summarize_seeds`; with one seed, the
+bootstrap over documents), and each seed's figure is reported beside the pooled one; a
+ratio to the reference pairs each seed's documents with the reference's (same seed when it
+has one per seed, else its single run). Time per
 token: wall time of a method over all documents / tokens scored, as a ratio to `truncated`
 (the methods take turns on each document, so load on the machine hits them alike).
 Forgetting probe: perplexity of held-out text (window-length pieces, nothing learning) under
@@ -41,11 +48,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eval_long_ppl import bootstrap
 from models.grafts.lora import apply_lora, LoRAConfig, TARGETS
 from models.memory.locas import (attach_locas, GLU_INITS, grow_mlp_memories, init_glu_memories, LocasConfig,
                                  memory_parameters, MLP_UPDATES)
 from torchtitan_ext.errors import UserError
+from torchtitan_ext.eval.stats import format_summary, summarize_seeds
 
 METHODS = ("truncated", "full", "templora", "locas_glu", "locas_mlp")
 
@@ -61,6 +68,8 @@ class Protocol:
     steps: int = 1  # updates per chunk
     layers: str = "all"  # Locas' blocks
     value_scale: float = 1.0  # Locas-MLP's eps
+    gradient: str = "chunk"  # Locas-MLP's G_t: the chunk's log-likelihood, or "token": log p(x_t | x_<t)
+    seeds: tuple[int, ...] = (0,)  # one run per seed of the methods that draw at random
 
     def check(self, max_seq_len: int) -> None:
         if not 0 < self.chunk < self.window:
@@ -70,6 +79,8 @@ class Protocol:
             raise UserError(f"--window {self.window} exceeds the model's max_seq_len {max_seq_len}")
         if self.steps < 1:
             raise UserError(f"--ttt-steps must be at least 1, got {self.steps}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise UserError(f"--seeds {','.join(map(str, self.seeds))}: give one or more distinct integers, e.g. 0,1,2")
 
 
 def parse_method(spec: str) -> tuple[str, str | None]:
@@ -82,6 +93,12 @@ def parse_method(spec: str) -> tuple[str, str | None]:
     return kind, option or {"locas_glu": "topk", "locas_mlp": "bp"}.get(kind)
 
 
+def is_seeded(spec: str) -> bool:
+    """Whether the method draws at random (so its result depends on the seed)."""
+    kind, option = parse_method(spec)
+    return kind == "templora" or (kind == "locas_glu" and option in ("random_select", "gaussian"))
+
+
 def chunk_nll(model: torch.nn.Module, inputs: torch.Tensor, scored: int) -> torch.Tensor:
     """NLL (scored,) of the last `scored` tokens of inputs (1, n), each given the ones before it."""
     logits = model(inputs)[0, -scored - 1 : -1]
@@ -92,7 +109,7 @@ class Reader:
     """One method reading one document: a copy of `base` with what the method adds, and how
     it learns from a chunk after scoring it."""
 
-    def __init__(self, base: torch.nn.Module, spec: str, protocol: Protocol):
+    def __init__(self, base: torch.nn.Module, spec: str, protocol: Protocol, seed: int = 0):
         self.kind, self.option = parse_method(spec)
         self.protocol = protocol
         self.model = copy.deepcopy(base).eval()
@@ -103,7 +120,7 @@ class Reader:
         if self.kind.startswith("locas"):
             self.locas = LocasConfig(variant=self.kind.removeprefix("locas_"), rank=protocol.rank, layers=protocol.layers,
                                      **({"init": self.option} if self.kind == "locas_glu" else {"update": self.option}),
-                                     value_scale=protocol.value_scale)
+                                     value_scale=protocol.value_scale, gradient=protocol.gradient, seed=seed)
             try:
                 self.sideways = attach_locas(self.model, self.locas)
             except ValueError as e:
@@ -113,7 +130,7 @@ class Reader:
             block = next(iter(self.model.layers.values()))
             targets = tuple(t for t, path in TARGETS.items() if hasattr(block.get_submodule(path.split(".")[0]), path.split(".")[1]))
             with torch.random.fork_rng(devices=[]):  # the same A init for every document and run
-                torch.manual_seed(0)
+                torch.manual_seed(seed)
                 apply_lora(list(self.model.layers.values()), LoRAConfig(rank=protocol.rank, alpha=2.0 * protocol.rank,
                                                                         dropout=0.0, targets=targets))
             self.model.eval()
@@ -160,16 +177,16 @@ class Reader:
 
     def grow(self, inputs: torch.Tensor, scored: int, first: bool) -> torch.Tensor:
         """Locas-MLP's expansion: a forward that records each FFN's input and output, the
-        chunk's NLL back-propagated to those outputs (the embeddings made a leaf that needs a
-        gradient, the frozen weights untouched), slots grown from them."""
+        log-likelihood (the chunk's or each token's, `Protocol.gradient`) differentiated with
+        respect to those outputs (the embeddings made a leaf that needs a gradient, the frozen
+        weights untouched), slots grown from them."""
         hook = self.model.tok_embeddings.register_forward_hook(lambda m, i, out: out.detach().requires_grad_())
         try:
             nll = self.recorded(inputs, scored)
-            nll.sum().backward()
         finally:
             hook.remove()
         targets = slice(inputs.shape[1] - scored - 1, inputs.shape[1] - 1)
-        grow_mlp_memories(self.sideways, targets, self.locas, first)
+        grow_mlp_memories(self.sideways, nll, targets, self.locas, first)
         for s in self.sideways:
             s.outputs = s.inputs = None
         if self.option == "bp" and self.optimizer is None:
@@ -189,10 +206,12 @@ class Reader:
         return nll.detach()
 
 
-def read_document(base: torch.nn.Module, spec: str, tokens: list[int], protocol: Protocol) -> tuple[torch.Tensor, Reader]:
-    """NLL (len(tokens) - 1,) float64 of every token after the first under `spec`, chunk by
-    chunk (each scored, then learned from), and the Reader at the end of the document."""
-    reader = Reader(base, spec, protocol)
+def read_document(base: torch.nn.Module, spec: str, tokens: list[int], protocol: Protocol,
+                  seed: int = 0) -> tuple[torch.Tensor, Reader]:
+    """NLL (len(tokens) - 1,) float64 of every token after the first under `spec` (drawing
+    with `seed`), chunk by chunk (each scored, then learned from), and the Reader at the end
+    of the document."""
+    reader = Reader(base, spec, protocol, seed)
     device = next(base.parameters()).device
     ids = torch.tensor(tokens, device=device)
     span = protocol.full_window if reader.kind == "full" else protocol.window
@@ -225,14 +244,33 @@ def check_documents(docs: list[list[int]], chunk: int) -> None:
                             "a smaller --chunk, or --min-doc-tokens to skip short documents")
 
 
-def cumulative(nlls: list[torch.Tensor], points: list[int]) -> list[dict]:
-    """Cumulative perplexity at each N of `points` over the documents with >= N scored tokens."""
+def per_seed_means(nlls: list[list[torch.Tensor]], n: int) -> list[torch.Tensor]:
+    """Per seed, the mean NLL (D,) of the first n scored tokens of each document with >= n."""
+    return [torch.stack([d[:n].mean() for d in seed if len(d) >= n]) for seed in nlls]
+
+
+def cumulative(nlls: list[list[torch.Tensor]], points: list[int]) -> list[dict]:
+    """Cumulative perplexity at each N of `points` over the documents with >= N scored
+    tokens; nlls: per seed, per document NLL (n_targets,). Pooled over seeds, with the
+    seeds-then-documents interval and each seed's figure (`summarize_seeds`)."""
     rows = []
     for n in points:
-        per_doc = torch.stack([d[:n].mean() for d in nlls if len(d) >= n])
-        rows.append({"tokens": n, "documents": len(per_doc), "ppl": math.exp(per_doc.mean().item()),
-                     "ppl_ci95": list(bootstrap(per_doc)), "doc_nll": per_doc.tolist()})
+        per_seed = per_seed_means(nlls, n)
+        summary = summarize_seeds(per_seed, statistic="exp_mean")
+        rows.append({"tokens": n, "documents": len(per_seed[0]), "seeds": len(per_seed), "ppl": summary["pooled"],
+                     "ppl_ci95": summary["ci95"], "ppl_summary": summary, "doc_nll": [m.tolist() for m in per_seed]})
     return rows
+
+
+def add_ratio(cell: dict, reference: dict) -> None:
+    """Perplexity ratio of a cumulative cell to the reference's at the same N: exp of the
+    mean per-document NLL difference, each seed's documents paired with the reference's
+    (its same seed, or its single run), with the seeds-then-documents interval."""
+    ref = reference["doc_nll"]
+    diffs = [torch.tensor(d, dtype=torch.float64) - torch.tensor(ref[min(i, len(ref) - 1)], dtype=torch.float64)
+             for i, d in enumerate(cell["doc_nll"])]
+    summary = summarize_seeds(diffs, statistic="exp_mean")
+    cell.update(ratio_to_reference=summary["pooled"], ratio_ci95=summary["ci95"], ratio_summary=summary)
 
 
 def report_points(docs: list[list[int]], chunk: int) -> list[int]:
@@ -252,21 +290,25 @@ def run_whole_book(base: torch.nn.Module, specs: list[str], docs: list[list[int]
     check_documents(docs, protocol.chunk)
     points = report_points(docs, protocol.chunk)
     probe_before = probe_nll(base, probes, protocol.window) if probes else None
-    runs = {spec: {"nlls": [], "seconds": 0.0, "after": [], "extra": 0} for spec in specs}
+    runs = {spec: {"seeds": list(protocol.seeds) if is_seeded(spec) else list(protocol.seeds[:1]), "seconds": 0.0,
+                   "after": [], "extra": 0} for spec in specs}
+    for run in runs.values():
+        run["nlls"] = [[] for _ in run["seeds"]]
     for doc in tqdm(docs, desc="documents"):
         for spec in specs:  # methods take turns on each document: machine noise hits them alike
             run = runs[spec]
-            start = time.perf_counter()
-            nll, reader = read_document(base, spec, doc, protocol)
-            run["seconds"] += time.perf_counter() - start
-            run["nlls"].append(nll)
-            run["extra"] = reader.extra_parameters()
-            if probes:
-                run["after"].append(probe_nll(reader.model, probes, protocol.window))
+            for nlls, seed in zip(run["nlls"], run["seeds"]):
+                start = time.perf_counter()
+                nll, reader = read_document(base, spec, doc, protocol, seed)
+                run["seconds"] += time.perf_counter() - start
+                nlls.append(nll)
+                run["extra"] = reader.extra_parameters()
+                if probes:
+                    run["after"].append(probe_nll(reader.model, probes, protocol.window))
     methods = []
     for spec, run in runs.items():
-        scored = sum(len(n) for n in run["nlls"])
-        method = {"method": spec, "extra_parameters": run["extra"], "seconds": run["seconds"],
+        scored = sum(len(n) for seed in run["nlls"] for n in seed)
+        method = {"method": spec, "seeds": run["seeds"], "extra_parameters": run["extra"], "seconds": run["seconds"],
                   "seconds_per_token": run["seconds"] / scored, "cumulative": cumulative(run["nlls"], points)}
         if probes:
             method["probe_ppl_after"] = math.exp(sum(run["after"]) / len(run["after"]))
@@ -275,9 +317,7 @@ def run_whole_book(base: torch.nn.Module, specs: list[str], docs: list[list[int]
     for m in methods:
         m["time_ratio"] = m["seconds_per_token"] / reference["seconds_per_token"]
         for cell, ref in zip(m["cumulative"], reference["cumulative"]):
-            diff = torch.tensor(cell["doc_nll"], dtype=torch.float64) - torch.tensor(ref["doc_nll"], dtype=torch.float64)
-            cell["ratio_to_reference"] = math.exp(diff.mean().item())
-            cell["ratio_ci95"] = list(bootstrap(diff))
+            add_ratio(cell, ref)
     return {"protocol": protocol.__dict__, "documents": len(docs), "document_tokens": [len(d) for d in docs],
             "reference": reference["method"], "probe_ppl_before": math.exp(probe_before) if probes else None,
             "methods": methods}
@@ -290,19 +330,21 @@ def markdown(results: dict, picks: int = 4) -> str:
     shown = [points[round(i * (len(points) - 1) / max(picks - 1, 1))] for i in range(min(picks, len(points)))]
     shown = list({c["tokens"]: c for c in shown}.values())
     p = results["protocol"]
+    seeds = p.get("seeds", [0])
+    over = "documents" if len(seeds) == 1 else (f"seeds ({', '.join(map(str, seeds))}: methods that draw at random), "
+                                                "then documents; each seed's figure after the pooled one")
     lines = [f"Whole-book test-time training: {results['documents']} documents ({min(results['document_tokens'])}-"
              f"{max(results['document_tokens'])} tokens), chunk {p['chunk']}, window {p['window']}, rank {p['rank']}, "
              f"{p['steps']} step(s) per chunk; cumulative perplexity at N tokens (95% bootstrap interval over "
-             f"documents; ratio to {results['reference']} paired).", "",
+             f"{over}; ratio to {results['reference']} paired).", "",
              "| method | " + " | ".join(f"PPL@{c['tokens']}" for c in shown) + " | ratio@" + str(shown[-1]["tokens"])
              + " | extra params | time / token |", "| --- " * (len(shown) + 4) + "|"]
     for m in results["methods"]:
         cells = {c["tokens"]: c for c in m["cumulative"]}
         last = cells[shown[-1]["tokens"]]
-        lines.append(f"| {m['method']} | " + " | ".join(
-            f"{cells[c['tokens']]['ppl']:.2f} ({cells[c['tokens']]['ppl_ci95'][0]:.2f}-{cells[c['tokens']]['ppl_ci95'][1]:.2f})"
-            for c in shown) + f" | {last['ratio_to_reference']:.3f} ({last['ratio_ci95'][0]:.3f}-{last['ratio_ci95'][1]:.3f})"
-            f" | {m['extra_parameters']:,} | {m['time_ratio']:.2f}x |")
+        lines.append(f"| {m['method']} | " + " | ".join(format_summary(cells[c["tokens"]]["ppl_summary"], digits=2)
+                                                         for c in shown)
+                     + f" | {format_summary(last['ratio_summary'], digits=3)} | {m['extra_parameters']:,} | {m['time_ratio']:.2f}x |")
     if results["probe_ppl_before"] is not None:
         lines += ["", f"Forgetting probe (held-out text, nothing learning): perplexity {results['probe_ppl_before']:.2f} "
                   "before; after memorising a document (mean over documents):", ""]

@@ -7,6 +7,7 @@ memory read and written, bad input."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from models.lms.mlp_lm import MLPLM, MLPLMConfig
 from models.memory.locas import (attach_locas, channel_importance, extra_parameters, init_glu_memories, LocasConfig,
                                  LocasGLU, memory_parameters, merge_locas, SidewaysFFN)
 from torchtitan_ext.errors import UserError
-from whole_book import chunk_nll, Protocol, read_document, Reader
+from whole_book import chunk_nll, markdown, Protocol, read_document, Reader, run_whole_book
 
 VOCAB = 96
 
@@ -161,11 +162,13 @@ def test_locas_glu_adds_the_papers_parameter_count_at_qwen3_shapes(flavor, rank,
 
 
 def test_locas_mlp_adds_two_l_d_r_once_grown():
+    """Grown by the real path (Locas-MLP + BP's first chunk, 16 tokens for r = 8 slots)."""
     cfg = LocasConfig(variant="mlp", rank=8)
-    sideways = attach_locas(mlp_model(), cfg)
-    for s in sideways:
-        s.memory.set_slots(torch.zeros(8, 32), torch.zeros(8, 32))
-    assert sum(p.numel() for p in memory_parameters(sideways)) == extra_parameters(cfg, 2, 32) == 2 * 2 * 32 * 8
+    reader = Reader(mlp_model(), "locas_mlp:bp", Protocol(chunk=16, window=32, rank=8))
+    assert sum(p.numel() for p in memory_parameters(reader.sideways)) == 0  # nothing before the first chunk
+    reader.read_chunk(torch.tensor([document(17)]), 16)
+    assert [s.memory.slots for s in reader.sideways] == [8, 8]
+    assert sum(p.numel() for p in memory_parameters(reader.sideways)) == extra_parameters(cfg, 2, 32) == 2 * 2 * 32 * 8
 
 
 # --- Locas-MLP growth ----------------------------------------------------------------------
@@ -183,6 +186,79 @@ def test_gradient_guided_slots_raise_the_chunks_likelihood():
     with torch.no_grad():
         after = chunk_nll(reader.model, ids, 16)
     assert after.mean() < before.mean() - 1e-3
+
+
+def brute_force_slots(model, ids: list[int], scored: int, per_token: bool, eps: float):
+    """Section 2.3's slots written out with a plain per-token loop on a model without Locas:
+    per layer, keys A_t / ||A_t|| and values eps G_t / ||G_t||_global at the positions that
+    predict the last `scored` tokens, G_t = d log p(x_t | x_<t) / dH_t (a fresh forward and
+    backward per token) or d sum_t log p(x_t | x_<t) / dH_t (per_token False); and the raw
+    global norms ||G_t||_global as Python floats."""
+    first = len(ids) - scored - 1
+    tokens = torch.tensor([ids])
+
+    def forward():
+        inputs, outputs = [], []
+        def keep(module, args, out):
+            inputs.append(args[0])
+            outputs.append(out)
+
+        hooks = [b.feed_forward.register_forward_hook(keep) for b in model.layers.values()]
+        logp = model(tokens)[0].float().log_softmax(-1)
+        for h in hooks:
+            h.remove()
+        return inputs, outputs, [logp[first + j, ids[first + j + 1]] for j in range(scored)]
+
+    inputs, outputs, logps = forward()
+    if not per_token:
+        total = torch.autograd.grad(sum(logps), outputs)
+    grads = [[] for _ in outputs]
+    for j in range(scored):
+        if per_token:
+            _, outputs, logps = forward()
+            per_layer = torch.autograd.grad(logps[j], outputs)
+        else:
+            per_layer = total
+        for layer, g in enumerate(per_layer):
+            grads[layer].append(g[0, first + j])
+    norms = [sum(float(grads[layer][j].pow(2).sum()) for layer in range(len(grads))) ** 0.5 for j in range(scored)]
+    slots = [(torch.stack([a[0, first + j] / a[0, first + j].norm() for j in range(scored)]),
+              torch.stack([eps * g / norms[j] for j, g in enumerate(layer_grads)]))
+             for a, layer_grads in zip(inputs, grads)]
+    return slots, norms
+
+
+@pytest.mark.parametrize("gradient", ["chunk", "token"])
+def test_bp_slot_selection_takes_the_tokens_of_largest_raw_gradient_norm(gradient):
+    """Locas-MLP + BP grows r slots from the first chunk's tokens of largest ||G_t||_global,
+    ranked before the normalisation (after it every value has global norm eps)."""
+    ids = document(17)
+    reader = Reader(mlp_model(), "locas_mlp:bp", Protocol(chunk=16, window=32, rank=4, value_scale=0.5, gradient=gradient))
+    reader.read_chunk(torch.tensor([ids]), 16)
+    slots, norms = brute_force_slots(mlp_model(), ids, 16, gradient == "token", 0.5)
+    picked = sorted(sorted(range(16), key=lambda j: -norms[j])[:4])
+    assert max(norms) > 1.5 * min(norms)  # a ranking that rounding noise cannot make
+    for s, (keys, values) in zip(reader.sideways, slots):
+        torch.testing.assert_close(s.memory.memory_key.detach(), keys[picked], rtol=0, atol=1e-5)
+        torch.testing.assert_close(s.memory.memory_value.detach(), values[picked], rtol=0, atol=1e-5)
+
+
+def test_per_token_gradient_equals_a_per_token_autograd_loop():
+    """gradient="token": every slot's value is eps G_t / ||G_t||_global with G_t the gradient
+    of log p(x_t | x_<t) alone (A.1.6), checked against one forward and backward per token;
+    the chunk's gradient gives other values."""
+    ids, eps = document(21), 0.3
+    values = {}
+    for gradient in ("token", "chunk"):
+        reader = Reader(mlp_model(), "locas_mlp:nlsvd", Protocol(chunk=20, window=32, rank=16, value_scale=eps,
+                                                                 gradient=gradient))
+        reader.read_chunk(torch.tensor([ids]), 20)
+        values[gradient] = [s.memory.memory_value.detach() for s in reader.sideways]
+        assert [s.memory.slots for s in reader.sideways] == [20, 20]  # one per token, under the 2r = 32 cap
+    slots, _ = brute_force_slots(mlp_model(), ids, 20, True, eps)
+    for got, (_, want) in zip(values["token"], slots):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.allclose(values["chunk"][0], values["token"][0], atol=1e-3)
 
 
 def test_nl_svd_keeps_the_memory_at_most_two_r_slots_over_a_document():
@@ -227,6 +303,28 @@ def test_repeated_text_is_remembered_across_the_window():
     truncated, _ = read_document(model, "truncated", doc, PROTOCOL)
     locas, _ = read_document(model, "locas_glu", doc, Protocol(chunk=16, window=32, rank=8, lr=5e-2, steps=3))
     assert locas[96:].mean() < truncated[96:].mean() - 0.05
+
+
+def test_seeds_pool_the_seeded_methods_and_report_each_seed():
+    """--seeds: TempLoRA (a random A init) reads every document once per seed, truncated
+    attention (no draw) once; the pooled perplexity is exp of the mean over seeds and
+    documents, each seed's figure is its own documents', and the ratio pairs each seed with
+    the reference's single run; checked against read_document called directly."""
+    model, protocol = qwen3_model(), Protocol(chunk=16, window=32, rank=4, templora_lr=1e-2, seeds=(0, 1))
+    docs = [document(49, seed=11), document(49, seed=12), document(49, seed=13)]
+    results = run_whole_book(model, ["truncated", "templora"], docs, [], protocol)
+    truncated, templora = (m["cumulative"][-1] for m in results["methods"])
+    assert truncated["seeds"] == 1 and templora["seeds"] == 2 and templora["tokens"] == 48
+    direct = {seed: [read_document(model, "templora", d, protocol, seed)[0].mean().item() for d in docs] for seed in (0, 1)}
+    plain = [read_document(model, "truncated", d, protocol)[0].mean().item() for d in docs]
+    assert direct[0] != direct[1]  # the seed matters
+    assert templora["ppl"] == pytest.approx(math.exp(sum(direct[0] + direct[1]) / 6), rel=1e-9)
+    per_seed = [s["value"] for s in templora["ppl_summary"]["per_seed"]]
+    assert per_seed == pytest.approx([math.exp(sum(direct[s]) / 3) for s in (0, 1)], rel=1e-9)
+    ratio = math.exp(sum(direct[s][i] - plain[i] for s in (0, 1) for i in range(3)) / 6)
+    assert templora["ratio_to_reference"] == pytest.approx(ratio, rel=1e-9)
+    assert templora["ppl_ci95"][0] <= templora["ppl"] <= templora["ppl_ci95"][1]
+    assert "; seeds " in markdown(results) and "then documents" in markdown(results)
 
 
 def test_bad_methods_are_clear_errors():
@@ -293,6 +391,8 @@ def test_ttt_mode_writes_cumulative_perplexity_and_a_merged_plain_export(backbon
     (["--ttt", "locas_mlp"], "Locas-MLP needs a two-layer MLP FFN"),
     (["--ttt", "locas_glu", "--chunk", "4096"], "must be positive and smaller than --window"),
     (["--ttt", "locas_glu", "--chunk", "48"], "fewer than one chunk"),
+    (["--ttt", "templora", "--seeds", "0,0"], "give one or more distinct integers"),
+    (["--ttt", "templora", "--seeds", "0,x"], "must be comma-separated integers"),
 ])
 def test_ttt_bad_input_is_one_line_and_exit_2(backbone_folder, tmp_path, capsys, extra, message, tokenizer_dir):
     code, err = eval_main(ttt_args(backbone_folder, book(tmp_path, 6), tmp_path / "out", *extra), capsys)

@@ -18,14 +18,20 @@ output (figure 2): H_out = FFN(A) + tau * Locas(A). Two variants (section 2.2):
 - **Locas-MLP** (on the MLP-FFN LM's two-layer FFN): Locas(A) = V^T act(K^T A), act the FFN's
   own activation (ReLU in the paper and by default; using the FFN's keeps the merge exact),
   tau = 1. Slots grow per token (section 2.3): key = A_t / ||A_t||, value = eps *
-  G_t / ||G_t||_global, G_t the gradient of the chunk's log-likelihood with respect to the
-  FFN's output at token t, normalised over the hidden size and all layers together
-  (`grow_mlp_memories`; one backward per chunk: G_t holds the gradient of the whole chunk's
-  log-likelihood, not token t's alone, our choice; the paper is silent). With `update="nlsvd"`
+  G_t / ||G_t||_global, G_t a log-likelihood gradient with respect to the FFN's output at
+  token t, normalised over the hidden size and all layers together (`grow_mlp_memories`).
+  Which log-likelihood is `gradient`: "token" is the paper's G_t = grad log p(x_t | x_<t)
+  (sections 2.3, A.1.6), token t's own term alone (one batched backward per group of
+  `TOKEN_GRADIENT_BATCH` tokens, the diagonal of the chunk's Jacobian); "chunk" (default, one
+  backward per chunk, our cheaper choice) the gradient of the whole chunk's log-likelihood
+  at position t, which adds the terms of later tokens that attend to it. Both take the
+  gradients of one chunk with the memory as it was before the chunk (A.1.6 grows token by
+  token; the paper is silent on batching). With `update="nlsvd"`
   a memory holding N_cap = 2r slots is compressed by NL-SVD to r (appendix A.1.6,
   `models/memory/nl_svd.py`), so it never holds more than 2r; with `update="bp"` (the paper's
   recommended variant, Table 1) the memory has r slots, grown once from the first chunk
-  (its r tokens of largest global gradient norm: our choice) and then trained by
+  (its r tokens of largest raw global gradient norm ||G_t||_global, taken before the
+  normalisation that makes every value's global norm eps: our choice) and then trained by
   back-propagation like Locas-GLU.
 
 `attach_locas` puts a memory beside the chosen blocks' FFNs (`SidewaysFFN`) and freezes
@@ -53,6 +59,8 @@ from models.memory.nl_svd import compress_if_full
 VARIANTS = ("glu", "mlp")
 GLU_INITS = ("topk", "bottomk", "random_select", "gaussian", "norm_act")
 MLP_UPDATES = ("bp", "nlsvd")
+MLP_GRADIENTS = ("chunk", "token")
+TOKEN_GRADIENT_BATCH = 64  # tokens whose per-token gradients one batched backward computes
 
 
 @dataclass
@@ -63,6 +71,7 @@ class LocasConfig:
     init: str = "topk"  # Locas-GLU: one of GLU_INITS (Table 2)
     update: str = "bp"  # Locas-MLP: "bp" | "nlsvd"
     value_scale: float = 1.0  # Locas-MLP: eps of the value init (section 2.3)
+    gradient: str = "chunk"  # Locas-MLP: G_t of the chunk's log-likelihood | "token": of log p(x_t | x_<t) (A.1.6)
     seed: int = 0  # random_select / gaussian draws
 
     def __post_init__(self):
@@ -72,6 +81,8 @@ class LocasConfig:
             raise ValueError(f"Locas init '{self.init}' unknown: choose one of {GLU_INITS}")
         if self.update not in MLP_UPDATES:
             raise ValueError(f"Locas-MLP update '{self.update}' unknown: choose one of {MLP_UPDATES}")
+        if self.gradient not in MLP_GRADIENTS:
+            raise ValueError(f"Locas-MLP gradient '{self.gradient}' unknown: choose one of {MLP_GRADIENTS}")
         if self.rank < 1:
             raise ValueError(f"Locas rank must be at least 1, got {self.rank}")
 
@@ -203,8 +214,8 @@ class LocasMLP(nn.Module):
 
 class SidewaysFFN(nn.Module):
     """A block's FFN with a Locas memory beside it: ffn(A) + memory(A) (figure 2). With
-    `recording` set, keeps the last call's input A and output (for initialisation and
-    Locas-MLP's gradient-guided growth)."""
+    `recording` set, keeps the last call's input A and output, still in the autograd graph
+    (for initialisation and Locas-MLP's gradient-guided growth)."""
 
     def __init__(self, ffn: nn.Module, memory: nn.Module):
         super().__init__()
@@ -216,8 +227,6 @@ class SidewaysFFN(nn.Module):
         out = self.ffn(x) + self.memory(x)
         if self.recording:
             self.inputs = x.detach()
-            if out.requires_grad:
-                out.retain_grad()
             self.outputs = out
         return out
 
@@ -282,28 +291,55 @@ def init_glu_memories(sideways: list[SidewaysFFN], cfg: LocasConfig) -> None:
         s.inputs = s.outputs = None
 
 
+def ffn_output_gradients(sideways: list[SidewaysFFN], nll: torch.Tensor, targets: slice,
+                         per_token: bool) -> list[torch.Tensor]:
+    """G (n, d) per layer, float32: the log-likelihood's gradient at each FFN output (the
+    recorded forward's `outputs`, (1, L, d)) at the n positions `targets` that predict the n
+    scored tokens, whose NLL (n,) is `nll` (in the same graph). per_token: row j is
+    grad log p(x_j | x_<j) alone (the paper's G_t, A.1.6), from batched backwards over groups
+    of TOKEN_GRADIENT_BATCH one-hot weightings of the NLL; else row j is the gradient of the
+    whole chunk's log-likelihood -sum_j NLL_j at position j (one backward)."""
+    outputs = [s.outputs for s in sideways]
+    if not per_token:
+        return [g[0, targets].float() for g in torch.autograd.grad(-nll.sum(), outputs)]
+    positions = torch.arange(targets.start, targets.stop, device=nll.device)
+    picks = torch.eye(len(nll), dtype=nll.dtype, device=nll.device)
+    rows = [[] for _ in outputs]
+    for start in range(0, len(nll), TOKEN_GRADIENT_BATCH):
+        group = picks[start : start + TOKEN_GRADIENT_BATCH]
+        grads = torch.autograd.grad(-nll, outputs, grad_outputs=group, is_grads_batched=True, retain_graph=True)
+        diagonal = (torch.arange(len(group), device=nll.device), 0, positions[start : start + len(group)])
+        for row, g in zip(rows, grads):
+            row.append(g[diagonal].float())
+    return [torch.cat(row) for row in rows]
+
+
 @torch.no_grad()
-def mlp_slots(sideways: list[SidewaysFFN], targets: slice, value_scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Section 2.3's slot init per layer from the last recorded forward, after a backward of
-    the chunk's NLL: keys = A_t / ||A_t||, values = eps * G_t / ||G_t||_global, G_t = -dNLL/dH_t
-    (the log-likelihood's gradient at the FFN output), normalised over the hidden size and every
-    layer together; over the token positions `targets` of the row. -> [(keys, values) (n, d)]."""
-    grads = [-s.outputs.grad[0, targets].float() for s in sideways]
-    global_norm = torch.stack([g.pow(2).sum(-1) for g in grads]).sum(0).sqrt().clamp_min(1e-12)[:, None]
-    return [(normalize_rows(s.inputs[0, targets].float()), value_scale * g / global_norm) for s, g in zip(sideways, grads)]
+def mlp_slots(sideways: list[SidewaysFFN], grads: list[torch.Tensor], targets: slice,
+              value_scale: float) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Section 2.3's slot init per layer from the last recorded forward and the gradients G
+    (n, d) per layer (`ffn_output_gradients`): keys = A_t / ||A_t||, values = eps * G_t /
+    ||G_t||_global, normalised over the hidden size and every layer together; over the token
+    positions `targets` of the row. -> ([(keys, values) (n, d)] per layer, ||G_t||_global (n,)
+    before normalisation)."""
+    global_norm = torch.stack([g.pow(2).sum(-1) for g in grads]).sum(0).sqrt()
+    scale = value_scale / global_norm.clamp_min(1e-12)[:, None]
+    return [(normalize_rows(s.inputs[0, targets].float()), g * scale) for s, g in zip(sideways, grads)], global_norm
 
 
-def grow_mlp_memories(sideways: list[SidewaysFFN], targets: slice, cfg: LocasConfig, first_chunk: bool) -> None:
-    """Locas-MLP's expansion after a chunk (`mlp_slots`): "nlsvd" appends a slot per token
+def grow_mlp_memories(sideways: list[SidewaysFFN], nll: torch.Tensor, targets: slice, cfg: LocasConfig,
+                      first_chunk: bool) -> None:
+    """Locas-MLP's expansion after a chunk whose NLL (n,) the recorded forward gave
+    (`ffn_output_gradients` by `cfg.gradient`, `mlp_slots`): "nlsvd" appends a slot per token
     with NL-SVD compression at 2r slots; "bp" grows only from the first chunk, its r tokens
-    of largest global gradient norm (all of them if fewer), the memory then trained by BP."""
-    slots = mlp_slots(sideways, targets, cfg.value_scale)
+    of largest raw global gradient norm (all of them if fewer), the memory then trained by BP."""
+    grads = ffn_output_gradients(sideways, nll, targets, cfg.gradient == "token")
+    slots, grad_norm = mlp_slots(sideways, grads, targets, cfg.value_scale)
     if cfg.update == "nlsvd":
         for s, (keys, values) in zip(sideways, slots):
             s.memory.append(keys, values, 2 * cfg.rank)
     elif first_chunk:
-        norms = torch.stack([v.pow(2).sum(-1) for _, v in slots]).sum(0)
-        picked = norms.topk(min(cfg.rank, len(norms))).indices.sort().values
+        picked = grad_norm.topk(min(cfg.rank, len(grad_norm))).indices.sort().values
         for s, (keys, values) in zip(sideways, slots):
             s.memory.append(keys[picked], values[picked], None)
 

@@ -65,20 +65,6 @@ def nl_svd(keys: torch.Tensor, values: torch.Tensor, rank: int, act: Act = F.rel
     return probes.to(keys.dtype), mlp_memory(probes, k, v, act).to(values.dtype)
 
 
-def nl_svd_reference(keys: torch.Tensor, values: torch.Tensor, rank: int, act: Act = F.relu,
-                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """A plain reference for `nl_svd` (same shapes, thresholding and signs): the SVD of the
-    weighted key matrix K_hat (n, d) as formulated in A.1.2, and each value probed one at a
-    time, v~_j = f(p_j) (A.1.3). For tests."""
-    k, v = keys.double(), values.double()
-    weighted = _weighted_keys(k, v)
-    _, sing, vh = torch.linalg.svd(weighted, full_matrices=False)
-    sing, vh = sing[:rank], vh[:rank]
-    probes = _orient(vh[sing ** 2 > eps ** 2 * sing[:1] ** 2], weighted)
-    new_values = torch.stack([mlp_memory(p, k, v, act) for p in probes]) if len(probes) else probes
-    return probes.to(keys.dtype), new_values.to(values.dtype)
-
-
 def compress_if_full(keys: torch.Tensor, values: torch.Tensor, capacity: int,
                      act: Act = F.relu) -> tuple[torch.Tensor, torch.Tensor]:
     """The expansion-compression cycle (A.1.6): a memory (n, d) holding n >= capacity slots is
