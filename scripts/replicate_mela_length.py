@@ -20,9 +20,10 @@ the same loop (AdamW, warm-up then cosine, batch 16, same data order per seed), 
 of `--seeds` seeds. Data: the embedded CPython corpus; every other document of at least
 8x the context is held out (44 documents), the rest is the training stream. Evaluation:
 each held-out document's first 8x-context tokens in one causal pass; perplexity at 1x,
-2x, 4x, 8x the training context is that of each prefix. Intervals: 95% bootstrap over
-documents (seed-averaged per-document loss, 2000 resamples); the effects are paired
-ratios of perplexities over the same documents. Loss by position inside a decoder chunk
+2x, 4x, 8x the training context is that of each prefix. Intervals: 95% two-level
+bootstrap, seeds resampled, then documents inside each (torchtitan_ext/eval/stats.py, 2000
+resamples), each seed's figure beside the pooled one; the effects are ratios of
+perplexities paired by seed and document. Loss by position inside a decoder chunk
 (P*C = 64 positions) shows where the memory helps.
 
     python scripts/replicate_mela_length.py --out outputs/replication [--steps 200] [--seeds 3]
@@ -41,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from torchtitan_ext.eval.stats import bootstrap
+from torchtitan_ext.eval.stats import summarize_seeds
 
 CONTEXT = 128  # training context: 2 Mela chunks of P*C = 64 tokens
 CHUNK = 64  # P*C of mela_debug
@@ -174,11 +175,9 @@ def summarize(losses: dict[str, torch.Tensor]) -> dict:
         seed_mean = nll.mean(0)  # (docs, L - 1)
         per_length = {}
         for length in lengths:
-            per_doc = seed_mean[:, : length - 1].mean(1)
-            per_seed = nll[:, :, : length - 1].mean((1, 2)).exp()
-            low, high = bootstrap(per_doc)
-            per_length[str(length)] = {"ppl": per_doc.mean().exp().item(), "ci95": [low, high],
-                                       "seeds": per_seed.tolist()}
+            summary = summarize_seeds(list(nll[:, :, : length - 1].mean(2)), statistic="exp_mean")
+            per_length[str(length)] = {"ppl": summary["pooled"], "ci95": summary["ci95"],
+                                       "seeds": [s["value"] for s in summary["per_seed"]]}
         targets = torch.arange(1, seed_mean.shape[1] + 1)
         past_first = targets >= CHUNK  # chunk 0 reads no memory in any model
         by_position = [seed_mean[:, past_first & (targets % CHUNK == p)].mean().item() for p in range(CHUNK)]
@@ -196,9 +195,12 @@ def summarize(losses: dict[str, torch.Tensor]) -> dict:
                                    "transformer, full")):
         if model not in losses or control not in losses:
             continue
-        diff = losses[model].mean(0) - losses[control].mean(0)
-        effects[label] = {str(n): {"ratio": diff[:, : n - 1].mean().exp().item(),
-                                   "ci95": list(bootstrap(diff[:, : n - 1].mean(1)))} for n in lengths}
+        diff = losses[model] - losses[control]  # (seeds, docs, L - 1), paired by seed and document
+        effects[label] = {}
+        for n in lengths:
+            summary = summarize_seeds(list(diff[:, :, : n - 1].mean(2)), statistic="exp_mean")
+            effects[label][str(n)] = {"ratio": summary["pooled"], "ci95": summary["ci95"],
+                                      "seeds": [s["value"] for s in summary["per_seed"]]}
     seeds, documents = next(iter(losses.values())).shape[:2]
     return {"context": CONTEXT, "chunk_tokens": CHUNK, "lengths": lengths, "documents": documents, "seeds": seeds,
             "runs": runs, "effects": effects}
@@ -208,16 +210,19 @@ def markdown(results: dict, steps: int) -> str:
     lengths = results["lengths"]
     head = "| model | " + " | ".join(f"ppl @ {n}" for n in lengths) + " |"
     lines = [f"Training context {results['context']} tokens, {steps} steps, {results['seeds']} seeds, "
-             f"{results['documents']} held-out documents; perplexity (95% bootstrap interval).", "",
-             head, "|" + " --- |" * (len(lengths) + 1)]
+             f"{results['documents']} held-out documents; perplexity (95% interval, seeds then documents "
+             "resampled; each seed's figure after it).", "", head, "|" + " --- |" * (len(lengths) + 1)]
+
+    def cell(value: float, entry: dict, digits: int) -> str:
+        seeds = ", ".join(f"{s:.{digits}f}" for s in entry["seeds"])
+        return f"{value:.{digits}f} ({entry['ci95'][0]:.{digits}f}-{entry['ci95'][1]:.{digits}f}); seeds {seeds}"
+
     for name, run in results["runs"].items():
-        cells = [f"{r['ppl']:.1f} ({r['ci95'][0]:.1f}-{r['ci95'][1]:.1f})" for r in run["results"].values()]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| ratio of perplexities (paired by document) | " + " | ".join(str(n) for n in lengths) + " |",
-              "|" + " --- |" * (len(lengths) + 1)]
+        lines.append(f"| {name} | " + " | ".join(cell(r["ppl"], r, 1) for r in run["results"].values()) + " |")
+    lines += ["", "| ratio of perplexities (paired by seed and document) | " + " | ".join(str(n) for n in lengths)
+              + " |", "|" + " --- |" * (len(lengths) + 1)]
     for label, per_length in results["effects"].items():
-        cells = [f"{e['ratio']:.3f} ({e['ci95'][0]:.3f}-{e['ci95'][1]:.3f})" for e in per_length.values()]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(cell(e["ratio"], e, 3) for e in per_length.values()) + " |")
     return "\n".join(lines) + "\n"
 
 
