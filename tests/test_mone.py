@@ -19,12 +19,13 @@ from models.memory.swiglu_memory import column_norms, segment_write
 VOCAB, SEGMENT, LENGTH = 97, 6, 22  # three full segments and a partial one
 
 
-def tiny(segment: int = SEGMENT, layers: str = "all", lora: dict | None = None, **memory) -> DecoderLM:
+def tiny(segment: int = SEGMENT, layers: str = "all", lora: dict | None = None, vocab: int = VOCAB,
+         **memory) -> DecoderLM:
     """A 2-block Qwen3 backbone (query width 4 * 12 = 48 != dim 32, GQA) with MoNe, float64."""
     graft = GraftConfig(kind="mone", layers=layers, memory={"segment": segment, **memory},
                         lora=lora or {"rank": 4, "dropout": 0.0, "targets": ("q", "k", "v")})
     torch.manual_seed(0)
-    return DecoderLM(DecoderLMConfig(architecture="qwen3", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
+    return DecoderLM(DecoderLMConfig(architecture="qwen3", vocab_size=vocab, dim=32, n_layers=2, n_heads=4,
                                      n_kv_heads=2, head_dim=12, ffn_hidden=64, qk_norm=True, graft=graft)).double()
 
 
@@ -78,11 +79,15 @@ def test_the_segment_write_equals_autograd_and_keeps_the_column_norms():
     assert all((w - w0).abs().max() > 1e-3 for w, w0 in zip(weights, initial))
 
 
-def reference_block(block: MoNeBlock, x: torch.Tensor) -> torch.Tensor:
+def reference_block(block: MoNeBlock, x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
     """Eq. 3-8 and appendix A.2 token by token: each query's softmax over its segment's
-    tokens and memory tokens up to itself, written out; the write's gradient by autograd."""
+    tokens and memory tokens up to itself, written out; the write's gradient by autograd.
+    sizes: the row's segment lengths (documents: every segment but the last written, a short
+    one averaged over its own tokens); None: segments of T, each complete one written."""
     attn, cfg = block.attention.cfg, block.cfg
     batch, length, _ = x.shape
+    sizes = sizes or [min(cfg.segment, length - s) for s in range(0, length, cfg.segment)]
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
     rep = attn.n_heads // attn.n_kv_heads
     xn = block.attention_norm(x)
     weights = [w.detach().expand(batch, *w.shape) for w in block.memory_initial]
@@ -96,8 +101,8 @@ def reference_block(block: MoNeBlock, x: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).flatten(-2) * a[0] + a[1]
 
     outputs = []
-    for start in range(0, length, cfg.segment):
-        seg = xn[:, start:start + cfg.segment]
+    for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        seg = xn[:, start:end]
         n = seg.shape[1]
         positions = torch.arange(n).expand(batch, n)  # segment-local RoPE
         q, k, v = block.attention.project(seg, positions)
@@ -115,7 +120,7 @@ def reference_block(block: MoNeBlock, x: torch.Tensor) -> torch.Tensor:
                 att[:, head, i] = (p[..., None] * values).sum(1)
         y = x[:, start:start + n] + block.attention.wo(att.transpose(1, 2).flatten(-2))
         outputs.append(y + block.feed_forward(block.ffn_norm(y)))
-        if n == cfg.segment:
+        if n == cfg.segment or index < len(sizes) - 1:
             k_mem = F.normalize(F.silu(split(affine(k.repeat_interleave(rep, 1), block.memory_key_affine))), dim=-1)
             v_mem = F.silu(split(seg))
             lr = F.softplus(block.memory_lr(seg)).transpose(1, 2)
@@ -136,6 +141,41 @@ def test_the_block_equals_the_plain_reference_in_float64(segment):
     block = model.layers["0"]
     with torch.no_grad():
         torch.testing.assert_close(block(x, None, None), reference_block(block, x), rtol=0, atol=1e-10)
+
+
+def test_documents_start_segments_as_the_plain_reference_in_float64():
+    """Doc positions restarting at 0: each document starts a segment, a document's short last
+    segment is written (averaged over its own tokens) before the next reads the memory; rows
+    of other cuts run in one batch. One document per row equals no doc positions."""
+    model = awaken(tiny())
+    x = torch.randn(2, LENGTH, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    block = model.layers["0"]
+    rows = {9: [6, 3, 6, 6, 1], 16: [6, 6, 4, 6]}  # context cut -> the row's segment lengths (T = 6)
+    positions = torch.stack([torch.cat([torch.arange(cut), torch.arange(LENGTH - cut)]) for cut in rows])
+    with torch.no_grad():
+        out = block(x, None, positions)
+        for row, sizes in enumerate(rows.values()):
+            torch.testing.assert_close(out[row:row + 1], reference_block(block, x[row:row + 1], sizes), rtol=0, atol=1e-10)
+        whole = torch.arange(LENGTH).expand(2, -1)
+        torch.testing.assert_close(block(x, None, whole), block(x, None, None), rtol=0, atol=1e-12)
+
+
+def test_a_stream_whose_segments_end_reads_the_next_document_as_one_pass():
+    """`end_segments` between a context and a question streamed in pieces gives the one-pass
+    logits of [context | question] as two documents; a model with a plain block is refused."""
+    from models.grafts.mone import end_segments
+
+    model, x = awaken(tiny()), tokens()
+    cut = 9
+    positions = torch.cat([torch.arange(cut), torch.arange(LENGTH - cut)]).expand(2, -1)
+    with torch.no_grad():
+        whole = model(x, positions)
+        context, state = model.stream(x[:, :4])
+        more, state = model.stream(x[:, 4:cut], state)
+        question, _ = model.stream(x[:, cut:], end_segments(model.layers.values(), state))
+    torch.testing.assert_close(torch.cat([context, more, question], 1), whole, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="every block is MoNe"):
+        end_segments(tiny(layers="0").layers.values(), state)
 
 
 def test_causality_in_float64():

@@ -6,15 +6,25 @@ eval_tasks.py finds it), the answer text, EOS, then padding to `seq_len + 1` tok
 sample fills the sequence, or with `lengths` (e.g. MoNe's 2 to 8 segments of 512 tokens,
 "1024,1536,...,4096") takes a length drawn per sample from that list. Labels
 are the next tokens on the answer and EOS only (IGNORE_INDEX elsewhere), so the loss is the
-answer's (MoNe's "loss on answer tokens only"); one document per row (positions 0..L-1).
-The answer is what eval_tasks.py scores: kv_retrieval the value, niah " " + the value, fwe
-" " + the three words. Answer tokens are those after the longest common prefix of the
-prompt's and the prompt-plus-answer's encodings (a merge across the boundary is labelled).
+answer's (MoNe's "loss on answer tokens only"). The answer is what eval_tasks.py scores:
+kv_retrieval the value, niah " " + the value, fwe " " + the three words.
 
-For a prefix memory (GradMem) `split_context` makes each row two documents: BOS + context,
-then query + answer + EOS + padding, encoded apart, `positions` restarting at 0 where the
-query starts; `pairs` (kv_retrieval only) draws each sample's number of key-value pairs from
-a list instead of filling the row (GradMem's Table 1 counts pairs).
+`question` (`QUESTIONS`) places the question:
+- "new_segment" (default; MoNe's query phase, paper 004 section 3.4 and A.1): each row is
+  two documents, BOS + context, then question + answer + EOS + padding, encoded apart, with
+  `positions` restarting at 0 where the question starts. MoNe writes the whole context into
+  its memory (its last, short segment too) and reads the question as a new segment at
+  positions [0, Q), attending to the memory tokens and itself only (models/grafts/mone.py);
+  a prefix memory (GradMem) reads [memory; question] the same way; a model whose attention
+  is its only memory cannot see the context.
+- "continue" (the former rows): one document per row (positions 0..L-1), the question
+  continuing the context, so it attends to the context's last tokens (for MoNe, those of its
+  segment). Answer tokens are those after the longest common prefix of the prompt's and
+  the prompt-plus-answer's encodings (a merge across the boundary is labelled).
+`split_context` is GradMem's name for the "new_segment" rows (its configs set it).
+`pairs` (kv_retrieval only) draws each sample's number of key-value pairs from a list
+instead of filling the row (GradMem's Table 1 counts pairs). `haystack` picks the needle
+tasks' haystack (torchtitan_ext/synthetic_tasks.py: "text", "noise"; "": the paper's per task).
 
 Sample i (tasks taken in turn) is drawn from `random.Random(f"{seed}-{split}-{i}")`: the
 same data for any number of ranks (rank r of W takes i = r, r + W, ...), resumable from
@@ -34,8 +44,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.synthetic_tasks import fit_sample, kv_pairs, TASKS
+from torchtitan_ext.synthetic_tasks import check_haystack, fit_sample, kv_pairs, TASKS
 
+QUESTIONS = ("new_segment", "continue")
 ANSWER_PREFIX = {"kv_retrieval": "", "s_niah": " ", "mk_niah": " ", "fwe": " "}
 MAX_ANSWER_TOKENS = 24  # room kept for the answer and EOS when fitting the context
 
@@ -67,14 +78,15 @@ def split_with_answer(task: str, sample, tokenizer) -> tuple[list[int], int, int
 
 
 def encode_sample(task: str, rng: random.Random, tokenizer, length: int, split_context: bool = False,
-                  pairs: int = 0) -> tuple[list[int], int, int]:
+                  pairs: int = 0, haystack: str | None = None) -> tuple[list[int], int, int]:
     """(ids, first answer token, first query token) of a sample of at most `length` tokens:
-    `with_answer`'s (query index 0), or with `split_context` `split_with_answer`'s; `pairs`:
-    a kv_retrieval sample of that many pairs instead of the longest that fits."""
+    `with_answer`'s (query index 0), or with `split_context` (question="new_segment")
+    `split_with_answer`'s; `pairs`: a kv_retrieval sample of that many pairs instead of the
+    longest that fits; `haystack`: the needle tasks' (None: the paper's)."""
     if pairs:
         sample = kv_pairs(rng, pairs)
     else:
-        prompt, sample = fit_sample(task, rng, tokenizer, length - MAX_ANSWER_TOKENS)
+        prompt, sample = fit_sample(task, rng, tokenizer, length - MAX_ANSWER_TOKENS, haystack)
     if split_context:
         full, start, query = split_with_answer(task, sample, tokenizer)
     else:
@@ -93,13 +105,20 @@ class TaskDataset(IterableDataset, Stateful):
 
     def __init__(self, tasks: list[str], tokenizer, seq_len: int, seed: int, validation: bool, infinite: bool,
                  samples: int, dp_rank: int, dp_world_size: int, lengths: tuple[int, ...] = (),
-                 split_context: bool = False, pairs: tuple[int, ...] = ()):
+                 split_context: bool = False, pairs: tuple[int, ...] = (), question: str = "new_segment",
+                 haystack: str | None = None):
         unknown = [t for t in tasks if t not in TASKS]
         if unknown or not tasks:
             raise UserError(f"unknown task(s) {unknown}: choose from {list(TASKS)} (comma-separated)")
         if pairs and (tasks != ["kv_retrieval"] or min(pairs) < 1):
             raise UserError(f"task pairs {list(pairs)} need --dataloader.tasks kv_retrieval and counts of at least 1")
-        self.split_context, self.pairs = split_context, pairs
+        if question not in QUESTIONS:
+            raise UserError(f"unknown task question '{question}': choose from {list(QUESTIONS)}")
+        if split_context and question == "continue":
+            raise UserError("split_context rows start the question as a new document: drop split_context or pass "
+                            "question new_segment")
+        check_haystack(haystack)
+        self.split_context, self.pairs, self.haystack = split_context or question == "new_segment", pairs, haystack
         if any(not MAX_ANSWER_TOKENS < n <= seq_len for n in lengths):
             raise UserError(f"task sample lengths {list(lengths)} must lie in {MAX_ANSWER_TOKENS + 1}..{seq_len} "
                             "(seq_len): shorten them or raise --training.seq_len")
@@ -116,7 +135,8 @@ class TaskDataset(IterableDataset, Stateful):
         length = rng.choice(self.lengths) if self.lengths else self.seq_len
         pairs = rng.choice(self.pairs) if self.pairs else 0
         # + 1: inputs and labels are shifted
-        ids, start, query = encode_sample(task, rng, self.tokenizer, length + 1, self.split_context, pairs)
+        ids, start, query = encode_sample(task, rng, self.tokenizer, length + 1, self.split_context, pairs,
+                                          self.haystack)
         pad = self.seq_len + 1 - len(ids)
         tokens = torch.tensor(ids + [self.tokenizer.eos_id] * pad)
         labels = tokens[1:].clone()
@@ -148,8 +168,10 @@ class TaskDataLoader(ParallelAwareDataloader):
         seed: int = 0
         validation: bool = False
         samples: int = 64  # per epoch when not infinite (validation)
-        split_context: bool = False  # rows of two documents, context | query + answer (a prefix memory's)
+        split_context: bool = False  # GradMem's name for question "new_segment" (its configs set it)
         pairs: str = ""  # comma-separated kv_retrieval pair counts, one drawn per sample; "": fill the row
+        question: str = "new_segment"  # "new_segment": rows [context | question] of two documents; "continue": one
+        haystack: str = ""  # needle tasks: "text" (held-out prose) or "noise" (filler sentences); "": the paper's
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
@@ -157,7 +179,7 @@ class TaskDataLoader(ParallelAwareDataloader):
         pairs = tuple(int(n) for n in config.pairs.split(",") if n)
         dataset = TaskDataset(config.tasks.split(","), tokenizer, seq_len, config.seed, config.validation,
                               config.infinite, config.samples, dp_rank, dp_world_size, lengths,
-                              config.split_context, pairs)
+                              config.split_context, pairs, config.question, config.haystack or None)
         super().__init__(
             dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
             num_workers=config.num_workers, persistent_workers=config.persistent_workers,

@@ -183,12 +183,14 @@ def memoryllama_gema_debug() -> Trainer.Config:
 
 def memoryllama_alma_debug_tasks() -> Trainer.Config:
     """memoryllama_alma_debug on the synthetic tasks (KV retrieval, S-/MK-NIAH, FWE), loss on
-    the answers only; validation on held-out samples."""
+    the answers only; validation on held-out samples. The question continues the context in
+    one document (MemoryLlama attends over the whole sequence; the thesis' BABILong reads
+    context and question as one input)."""
     config = _memoryllama_debug("alma")
     config.dump_folder = "./outputs/memoryllama_alma_debug_tasks"
-    config.dataloader = TaskDataLoader.Config()
+    config.dataloader = TaskDataLoader.Config(question="continue")
     config.validator = dataclasses.replace(config.validator, dataloader=TaskDataLoader.Config(
-        validation=True, infinite=False, samples=16))
+        validation=True, infinite=False, samples=16, question="continue"))
     return config
 
 
@@ -198,16 +200,16 @@ MONE_TASKS = "s_niah,mk_niah,fwe"  # the paper's RULER tasks
 MONE_SAMPLES = 7 * 30000  # 30K samples for each of 2..8 segments: one epoch
 
 
-def _mone_tasks(config: Trainer.Config, name: str, lengths: str) -> Trainer.Config:
+def _mone_tasks(config: Trainer.Config, name: str, lengths: str, question: str = "new_segment") -> Trainer.Config:
     """Train and validate on the synthetic tasks (torchtitan_ext/task_data.py): one sample
-    per row, its length drawn from `lengths`, the loss on the answer only. The paper's query
-    phase starts a new segment; here the question follows the context inside a row wherever
-    it ends (the tasks' lengths are not segment multiples), so the question's segment also
-    holds the context's last tokens."""
+    per row, its length drawn from `lengths`, the loss on the answer only. By default the
+    question starts a new segment with positions from 0 (the paper's query phase: it reads
+    the context only through the memory); `question="continue"` puts it right after the
+    context in one document (a model without memory must see the context to answer)."""
     config.dump_folder = f"./outputs/{name}"
-    config.dataloader = TaskDataLoader.Config(tasks=MONE_TASKS, lengths=lengths)
+    config.dataloader = TaskDataLoader.Config(tasks=MONE_TASKS, lengths=lengths, question=question)
     config.validator = dataclasses.replace(config.validator, dataloader=TaskDataLoader.Config(
-        tasks=MONE_TASKS, validation=True, infinite=False, samples=16))
+        tasks=MONE_TASKS, validation=True, infinite=False, samples=16, question=question))
     return config
 
 
@@ -256,7 +258,7 @@ def mone_control_debug_tasks() -> Trainer.Config:
     block, lr 5e-4) on the same task data, no memory, the backbone's full attention."""
     graft = GraftConfig(kind="lora", layers="all", lora=dataclasses.replace(MONE_LORA, rank=8, alpha=8.0))
     config = debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="mone_control_debug_tasks", lr=5e-4)
-    return _mone_tasks(config, "mone_control_debug_tasks", DEBUG_TASK_LENGTHS)
+    return _mone_tasks(config, "mone_control_debug_tasks", DEBUG_TASK_LENGTHS, question="continue")
 
 
 # The Locas paper's pretrained backbones (Table 1), Hugging Face folders the user downloads

@@ -43,8 +43,15 @@ Choices where the paper's shapes do not fit or it is silent (tested in tests/tes
 - Init: lr = softplus(b_lr) = `base_lr` (0.1) for every token, beta = 0.5 (b_beta = 0),
   W_0 columns N(0, 1/fan_in), the gate N(0, 1/in_h). Not the backbone at step 0: segment-local
   attention and the memory tokens change the block at once (the paper trains from there).
-- Packed documents: attention is masked per document; the memory is not reset at document
-  boundaries (as MemoryLlama). A trailing partial segment is read, not written.
+- Documents (the paper's query phase, section 3.4 and A.1): with doc positions (restarting
+  at 0 per document) a segment starts at every document start, so it never spans two
+  documents and a document's last segment may be short; that short segment is written
+  (averaged over its own tokens) before the next document, which starts a new segment at
+  local positions [0, Q). A task row [context | question] of two documents
+  (`torchtitan_ext/task_data.py`, question="new_segment") is thus the paper's protocol: the
+  question reads the memory tokens and itself, never a context token. The memory is not
+  reset at document boundaries (as MemoryLlama). A stream ends its segment the same way
+  (`end_segment`, `end_segments`). The row's trailing segment is read, not written.
 
 Shapes: x (B, L, dim) -> (B, L, dim). `last_stats` holds the last forward's diagnostics.
 """
@@ -60,7 +67,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.grafts.lora import LoRAConfig
-from models.layers.attention import document_ids
 from models.memory.swiglu_memory import column_norms, segment_write, swiglu_forward
 
 MONE_LORA = LoRAConfig(rank=128, alpha=128.0, dropout=0.0, targets=("q", "k", "v"))  # appendix A.2
@@ -170,42 +176,54 @@ class MoNeBlock(nn.Module):
         h = self.memory_norm(read.to(q_affine.dtype)) * F.silu(heads @ self.memory_gate)
         return h.transpose(1, 2).flatten(-2)
 
-    def _attend(self, q: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, cache: MoNeCache) -> torch.Tensor:
         """Eq. 5: q (B, n_heads, n, head_dim), the last n of the segment's tokens, over the
-        segment's keys and memory keys, causally (and per document) -> (B, n, dim)."""
+        segment's keys and memory keys, causally -> (B, n, dim). A segment never spans two
+        documents, so no document mask is needed."""
         n_q, n_k = q.shape[2], cache.keys.shape[2]
         allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
-        if doc_positions is not None:
-            ids = document_ids(doc_positions)
-            allowed = allowed & (ids[:, n_k - n_q:, None] == ids[:, None, :])
-        mask = torch.cat([allowed, allowed], -1)
-        mask = mask[:, None] if doc_positions is not None else mask
         keys = torch.cat([cache.keys, cache.memory_keys], 2)
         values = torch.cat([cache.values, cache.memory_values], 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.attention.cfg.head_dim ** -0.5,
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=torch.cat([allowed, allowed], -1),
+                                             scale=self.attention.cfg.head_dim ** -0.5,
                                              enable_gqa=q.shape[1] != keys.shape[1])
         return self.attention.wo(out.transpose(1, 2).flatten(-2))
 
-    def _write(self, cache: MoNeCache, targets) -> tuple[MoNeCache, dict[str, torch.Tensor]]:
-        """Eq. 7-8 from a complete segment, columns renormalised to `targets` (W_0's norms in
-        the state dtype) -> (the cache of an empty next segment, the segment's mean lr and
-        beta, detached)."""
+    def _write(self, cache: MoNeCache, targets, counts: torch.Tensor | None = None):
+        """Eq. 7-8 from the segment in `cache`, columns renormalised to `targets` (W_0's norms
+        in the state dtype) -> (the cache of an empty next segment, the segment's mean lr and
+        beta, detached). The segment is complete, or a document's last one of n < T tokens:
+        the loss is averaged over its own tokens (1/n where the paper's full segments have
+        1/T). counts (B,): each row's number of real tokens at the segment's start, the rest
+        padding that neither writes nor enters beta's mean; a row of 0 keeps its memory.
+        None: every token is real."""
         attn = self.attention.cfg
         keys = cache.keys.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
         dtype = cache.weights[0].dtype
         k = F.normalize(F.silu(self._heads(self._affine(keys, self.memory_key_affine))), dim=-1)
         v = F.silu(self._heads(cache.xn))
-        lr = F.softplus(self.memory_lr(cache.xn)).transpose(1, 2)
-        beta = torch.sigmoid(self.memory_decay(cache.xn.mean(1)))
+        lr = F.softplus(self.memory_lr(cache.xn)).transpose(1, 2)  # (B, H, n)
+        size = cache.xn.shape[1]
+        real = torch.ones(cache.xn.shape[:2], dtype=cache.xn.dtype, device=cache.xn.device) if counts is None else \
+            (torch.arange(size, device=cache.xn.device) < counts[:, None]).to(cache.xn.dtype)  # (B, n)
+        tokens = real.sum(1, keepdim=True).clamp_min(1)
+        beta = torch.sigmoid(self.memory_decay((cache.xn * real[..., None]).sum(1) / tokens))
         weights, momentum = segment_write(cache.weights, cache.momentum, targets, k.to(dtype), v.to(dtype),
-                                          lr.to(dtype), beta.to(dtype), self.cfg.kernel_backend)
+                                          (lr * (real * size / tokens)[:, None]).to(dtype), beta.to(dtype),
+                                          self.cfg.kernel_backend)
+        if counts is not None:
+            kept = (counts > 0).view(-1, 1, 1, 1)
+            weights = tuple(torch.where(kept, new, old) for new, old in zip(weights, cache.weights))
+            momentum = tuple(torch.where(kept, new, old) for new, old in zip(momentum, cache.momentum))
         empty = cache.keys[:, :, :0]
-        stats = {"lr_mean": lr.detach().mean(), "beta_mean": beta.detach().mean()}
+        with torch.no_grad():
+            stats = {"lr_mean": (lr * real[:, None]).sum() / (real.sum() * lr.shape[1]).clamp_min(1),
+                     "beta_mean": beta.mean()}
         return MoNeCache(cache.xn[:, :0], empty, empty, empty, empty, weights, momentum), stats
 
-    def _piece(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None, targets):
+    def _piece(self, x: torch.Tensor, cache: MoNeCache) -> tuple[torch.Tensor, MoNeCache]:
         """The next tokens x (B, n, dim) of the current segment (not past its end) -> (block
-        output, cache, the write's statistics or {}); the segment is written once complete."""
+        output, the cache with them appended)."""
         start = cache.xn.shape[1]
         positions = torch.arange(start, start + x.shape[1], device=x.device).expand(x.shape[0], -1)
         xn = self.attention_norm(x)
@@ -216,33 +234,90 @@ class MoNeBlock(nn.Module):
                                values=torch.cat([cache.values, v], 2),
                                memory_keys=torch.cat([cache.memory_keys, memory_k], 2),
                                memory_values=torch.cat([cache.memory_values, memory_v], 2))
-        x = x + self._attend(q, cache, doc_positions)
-        out = x + self.feed_forward(self.ffn_norm(x))
-        return (out, *self._write(cache, targets)) if cache.xn.shape[1] == self.cfg.segment else (out, cache, {})
+        x = x + self._attend(q, cache)
+        return x + self.feed_forward(self.ffn_norm(x)), cache
 
-    def _run(self, x: torch.Tensor, cache: MoNeCache, doc_positions: torch.Tensor | None):
-        """x (B, L, dim) in pieces that end at segment boundaries -> (output, cache).
-        doc_positions (B, L) only with a fresh cache (the pieces are then whole segments)."""
+    def _targets(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The renormalisation targets (W_0's column norms) in the state dtype, once per call."""
+        return tuple(n.to(dtype) for n in column_norms(self.memory_initial))
+
+    def _record(self, stats: dict, start_weights, weights) -> None:
+        """`last_stats`: the last write's lr and beta, and the call's update ratio."""
+        with torch.no_grad():
+            change = torch.stack([(a - b).float().norm() for a, b in zip(weights, start_weights)]).norm()
+            stats["update_ratio"] = change / torch.stack([w.float().norm() for w in start_weights]).norm()
+        self.last_stats = stats
+
+    def _run(self, x: torch.Tensor, cache: MoNeCache):
+        """x (B, L, dim) of one document per row, continuing `cache`, in pieces that end at
+        segment boundaries (a segment is written once complete) -> (output, cache)."""
         start_weights, outputs, stats, start = cache.weights, [], {}, 0
-        targets = tuple(n.to(start_weights[0].dtype) for n in column_norms(self.memory_initial))  # once per call
+        targets = self._targets(start_weights[0].dtype)
         while start < x.shape[1]:
             end = min(start + self.cfg.segment - cache.xn.shape[1], x.shape[1])
-            out, cache, written = self._piece(x[:, start:end], cache,
-                                              None if doc_positions is None else doc_positions[:, start:end], targets)
+            out, cache = self._piece(x[:, start:end], cache)
+            if cache.xn.shape[1] == self.cfg.segment:
+                cache, stats = self._write(cache, targets)
             outputs.append(out)
-            stats |= written
             start = end
-        with torch.no_grad():
-            change = torch.stack([(a - b).float().norm() for a, b in zip(cache.weights, start_weights)]).norm()
-            stats["update_ratio"] = change / torch.stack([w.float().norm() for w in start_weights]).norm()
-        self.last_stats = stats  # the last segment's lr and beta, the whole call's update ratio
+        self._record(stats, start_weights, cache.weights)
         return torch.cat(outputs, 1), cache
 
+    def _run_documents(self, x: torch.Tensor, doc_positions: torch.Tensor) -> torch.Tensor:
+        """Packed rows x (B, L, dim), doc_positions (B, L) restarting at 0 per document ->
+        (B, L, dim). A segment starts at each document's start and every T tokens into a
+        document (and at the row's first token), so it never spans two documents, and a
+        document's last segment may be short. Row b's s-th segment fills slot s of a
+        (B, S, T) grid, padded after its tokens; the slots run in lockstep. Every segment but
+        the row's last is written, a short one too: a document after it (the paper's question,
+        a new segment at positions [0, Q)) reads the context from the memory only."""
+        batch, length, dim = x.shape
+        size = self.cfg.segment
+        index = torch.arange(length, device=x.device).expand(batch, -1)
+        starts = doc_positions % size == 0
+        starts[:, 0] = True
+        segment = starts.cumsum(1) - 1  # (B, L) the token's segment in its row
+        place = segment * size + index - torch.cummax(torch.where(starts, index, 0), 1).values  # (B, L) in the grid
+        count = int(segment[:, -1].max()) + 1  # S
+        counts = torch.zeros(batch, count, dtype=torch.long, device=x.device).scatter_add_(
+            1, segment, torch.ones_like(segment))  # (B, S) tokens per segment
+        grid = x.new_zeros(batch, count * size, dim).scatter(1, place[..., None].expand(-1, -1, dim), x)
+        cache, outputs, stats = self.empty_cache(batch, x), [], {}
+        start_weights, targets = cache.weights, self._targets(cache.weights[0].dtype)
+        for s in range(count):
+            out, cache = self._piece(grid[:, s * size:(s + 1) * size], cache)
+            outputs.append(out)
+            if s + 1 < count:
+                cache, stats = self._write(cache, targets, counts[:, s])
+        self._record(stats, start_weights, cache.weights)
+        return torch.cat(outputs, 1).gather(1, place[..., None].expand(-1, -1, dim))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
-        """x (B, L, dim); positions (unused: RoPE is segment-local); doc_positions (B, L) or
-        None for masking."""
-        return self._run(x, self.empty_cache(x.shape[0], x), doc_positions)[0]
+        """x (B, L, dim); positions (unused: RoPE is segment-local); doc_positions (B, L)
+        restarting at 0 per document (`_run_documents`), or None: one document per row."""
+        if doc_positions is None:
+            return self._run(x, self.empty_cache(x.shape[0], x))[0]
+        return self._run_documents(x, doc_positions)
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, cache: MoNeCache | None):
         """The next tokens x (B, L, dim) of a stream (one document per row) -> (output, cache)."""
-        return self._run(x, cache or self.empty_cache(x.shape[0], x), None)
+        return self._run(x, cache or self.empty_cache(x.shape[0], x))
+
+    def end_segment(self, cache: MoNeCache) -> MoNeCache:
+        """A stream's document ends: its current segment, if it holds tokens, is written now
+        (short: averaged over its own tokens) -> the cache of an empty segment, where the
+        next document (the paper's question) starts at local position 0."""
+        if cache.xn.shape[1] == 0:
+            return cache
+        return self._write(cache, self._targets(cache.weights[0].dtype))[0]
+
+
+def end_segments(layers, state):
+    """A DecoderLM stream's `state` (its `caches` one per block of `layers`, every one a
+    MoNeBlock) with each block's current segment ended (`MoNeBlock.end_segment`): streaming
+    the question from here equals reading [context | question] in one pass as two documents
+    (doc positions restarting at the question), the paper's query phase."""
+    layers = list(layers)
+    if not all(isinstance(block, MoNeBlock) for block in layers):
+        raise ValueError("only a model whose every block is MoNe can end its segments mid-stream")
+    return state._replace(caches=tuple(block.end_segment(cache) for block, cache in zip(layers, state.caches)))
