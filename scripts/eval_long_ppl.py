@@ -59,7 +59,6 @@ chosen mode, no document long enough) ends with one line and exit code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -73,7 +72,7 @@ from torchtitan_ext.checkpoints import causal_logits, model_from_checkpoint
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.stats import bootstrap
 from torchtitan_ext.hf_export import import_weights
-from torchtitan_ext.paths import staged_folder
+from torchtitan_ext.paths import write_results
 
 MODES = ("full", "streaming", "truncated", "sliding")
 
@@ -280,13 +279,6 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: dict, out: Path) -> None:
-    with staged_folder(out) as staging:
-        (staging / "results.json").write_text(json.dumps(results, indent=2))
-        (staging / "results.md").write_text(markdown(results))
-        plot(results, staging / "perplexity_vs_context.png")
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -454,16 +446,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.ttt:
         import whole_book
 
-        with staged_folder(args.out) as staging:
-            (staging / "results.json").write_text(json.dumps(results, indent=2))
-            (staging / "results.md").write_text(whole_book.markdown(results))
-            whole_book.plot(results, staging / "cumulative_ppl.png")
-        print(whole_book.markdown(results))
-        print(f"wrote {args.out}/results.json, results.md, cumulative_ppl.png")
+        write_results(args.out, results, whole_book.markdown(results),
+                      {"cumulative_ppl.png": lambda path: whole_book.plot(results, path)})
         return
-    write_outputs(results, args.out)
-    print(markdown(results))
-    print(f"wrote {args.out}/results.json, results.md, perplexity_vs_context.png")
+    write_results(args.out, results, markdown(results), {"perplexity_vs_context.png": lambda path: plot(results, path)})
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ forward-only baseline rows in one table (gradmem.md / gradmem.json / gradmem.png
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
@@ -60,7 +59,7 @@ from eval_long_ppl import entry_logits, load_entry, per_checkpoint
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import babilong
-from torchtitan_ext.paths import staged_folder
+from torchtitan_ext.paths import write_results
 from models.grafts.mone import end_segments, MoNeBlock
 from torchtitan_ext.eval.stats import format_summary, summarize_seeds
 from torchtitan_ext.synthetic_tasks import fit_sample, HAYSTACKS, score, TASKS
@@ -372,29 +371,19 @@ def main(argv: list[str] | None = None) -> None:
             args.samples, args.answer_tokens = args.samples or 20, args.answer_tokens or 12
         if args.mode and "gradmem" in args.mode:
             results = run_gradmem(args)
-            with staged_folder(args.out) as staging:
-                (staging / "gradmem.json").write_text(json.dumps(results, indent=2))
-                (staging / "gradmem.md").write_text(gradmem_markdown(results))
-                gradmem_plot(results, staging / "gradmem.png")
-            print(gradmem_markdown(results))
+            write_results(args.out, results, gradmem_markdown(results),
+                          {"gradmem.png": lambda path: gradmem_plot(results, path)}, stem="gradmem")
             return
         if args.tasks == "babilong":
             results = run_babilong(args)
-            with staged_folder(args.out) as staging:
-                (staging / "babilong.json").write_text(json.dumps(results, indent=2))
-                (staging / "babilong.md").write_text(babilong.markdown(results))
-                babilong.plot(results, staging / "babilong.png")
-            print(babilong.markdown(results))
+            write_results(args.out, results, babilong.markdown(results),
+                          {"babilong.png": lambda path: babilong.plot(results, path)}, stem="babilong")
             return
         results = run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    with staged_folder(args.out) as staging:
-        (staging / "results.json").write_text(json.dumps(results, indent=2))
-        (staging / "results.md").write_text(markdown(results))
-        plot(results, staging / "tasks_vs_context.png")
-    print(markdown(results))
+    write_results(args.out, results, markdown(results), {"tasks_vs_context.png": lambda path: plot(results, path)})
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.stats import bootstrap
-from torchtitan_ext.paths import staged_folder
+from torchtitan_ext.paths import write_results
 
 
 def parse_models(specs: list[str]) -> list[tuple[str, Path]]:
@@ -131,11 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    with staged_folder(args.out) as staging:
-        (staging / "results.json").write_text(json.dumps(results, indent=2))
-        (staging / "results.md").write_text(markdown(results))
-    print(markdown(results))
-    print(f"wrote {args.out}/results.json, results.md")
+    write_results(args.out, results, markdown(results))
 
 
 if __name__ == "__main__":

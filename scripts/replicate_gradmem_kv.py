@@ -31,7 +31,6 @@ moved into place at the end).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     from eval_tasks import gradmem_markdown, gradmem_plot
     from torchtitan_ext.gradmem import kv_cell, pool_cells, WRITE_LOSS_WEIGHT
     from torchtitan_ext.kv_tokenizer import build
-    from torchtitan_ext.paths import staged_folder
+    from torchtitan_ext.paths import write_results
     from torchtitan_ext.tokenizer import AssetsTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,11 +170,7 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.batch}{' with replay' if args.replay else ''}, lr {args.lr}, outer loss + {args.write_weight} x "
              f"write loss, memory projection {'on' if args.projection else 'off'}.\n\n"
              + gradmem_markdown(results))
-    with staged_folder(args.out) as staging:
-        (staging / "results.json").write_text(json.dumps(results, indent=2))
-        (staging / "results.md").write_text(table)
-        gradmem_plot(results, staging / "gradmem_kv.png")
-    print(table)
+    write_results(args.out, results, table, {"gradmem_kv.png": lambda path: gradmem_plot(results, path)})
 
 
 if __name__ == "__main__":

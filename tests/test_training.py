@@ -81,6 +81,11 @@ AC_MODES = {
                     "no-ac": ["activation-checkpoint:none"]},
     "mela": {"eager-no-ac": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"]},
 }
+# mela_debug's lr 3e-3 makes a loss spike at steps 8-10 (7.17 -> 7.51 -> 9.03) that amplifies
+# rounding: eager and compiled agree to 5 decimals through step 7, then part by 1.2e-5,
+# 4.0e-5 and 4.0e-4 (measured 2026-11-24, the same at the commits before and after the
+# bounded compile). At lr 1e-3 the 10 steps descend smoothly and agree to 5 decimals.
+MODE_ARGS = {"mela": ["--optimizer.param-groups.0.optimizer-kwargs.lr", "1e-3"]}
 # The grafts' compiled blocks are held to eager in tests/test_memory_llama.py and tests/test_mone.py
 # (a block-level torch.compile, what torchtitan's per-block compile does), their full AC there too.
 
@@ -92,20 +97,17 @@ def test_compile_and_activation_checkpointing_modes_agree(family, tokenizer_dir,
     for name, extra in AC_MODES[family].items():
         folder = tmp_path / name
         shutil.copytree(tmp_path / "seed", folder)
-        runs[name] = train((CONFIGS | GRAFTS)[family] + SHORT + ["--dump_folder", str(folder)] + extra)
+        runs[name] = train((CONFIGS | GRAFTS)[family] + SHORT + MODE_ARGS.get(family, []) + ["--dump_folder", str(folder)]
+                           + extra)
         assert runs[name].returncode == 0, runs[name]
     reference, *others = runs
     for name in others:
-        tolerance = COMPILED_MELA_TOLERANCE if (family, name) == ("mela", "compiled") else MODE_TOLERANCE
-        assert relative_gap(runs[reference].losses, runs[name].losses) < tolerance, name
+        assert relative_gap(runs[reference].losses, runs[name].losses) < MODE_TOLERANCE, name
 
 
 # Compiled and recomputed paths round differently from eager (1e-6 at step 2). A wrong
 # compiled or recomputed path shows gaps of 1e-2 and more.
 MODE_TOLERANCE = 1e-4
-# Measured 4.0e-4 on 2026-11-24 after the bounded compile / memory-option changes (1e-4 held
-# before); cause not yet found: an open item in the session note, not a settled tolerance.
-COMPILED_MELA_TOLERANCE = 1e-3
 
 
 def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_checkpoint(tokenizer_dir, tmp_path):

@@ -2,9 +2,11 @@
 how outputs are written (a staged folder moved into place at the end)."""
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -34,3 +36,18 @@ def staged_folder(out: Path):
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_results(out: Path, results: dict, table: str, plots: dict[str, Callable[[Path], None]] | None = None,
+                  stem: str = "results") -> None:
+    """Write `<stem>.json` (`results`), `<stem>.md` (`table`) and each plot (file name ->
+    function writing that file) into `out` through `staged_folder` (all or nothing), then
+    print the table and the files written."""
+    names = [f"{stem}.json", f"{stem}.md", *(plots or {})]
+    with staged_folder(out) as staging:
+        (staging / names[0]).write_text(json.dumps(results, indent=2))
+        (staging / names[1]).write_text(table)
+        for name, plot in (plots or {}).items():
+            plot(staging / name)
+    print(table)
+    print(f"wrote {out}/{', '.join(names)}")
