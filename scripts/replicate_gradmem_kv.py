@@ -24,7 +24,7 @@ match from the memory alone on held-out samples at each `--eval-pairs`, for each
 (gradient methods; the forward method at its training K), with the final write loss; the
 seeds pooled with a 95% interval that resamples seeds, then samples (torchtitan_ext/eval/stats.py),
 each seed's figure beside it, and every sample's score in results.json. Writes results.json, results.md and
-gradmem_kv.png (the table and plot of `eval_tasks.py --mode gradmem`) to --out (staged,
+gradmem_kv.png (the table and plot of `eval_tasks.py --mode gradmem`, torchtitan_ext/eval/tasks.py) to --out (staged,
 moved into place at the end).
 """
 
@@ -103,7 +103,7 @@ def train(args, write: str, k: int, alpha: float, meta_gradient: str, seed: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eval_tasks import gradmem_markdown, gradmem_plot
+    from torchtitan_ext.eval.tasks import gradmem_markdown, gradmem_plot
     from torchtitan_ext.gradmem import kv_cell, pool_cells, WRITE_LOSS_WEIGHT
     from torchtitan_ext.kv_tokenizer import build
     from torchtitan_ext.paths import write_results

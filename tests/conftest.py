@@ -1,9 +1,13 @@
-"""Shared test helpers: the offline tokenizer, and launching training through scripts/train.sh."""
+"""Shared test helpers: the offline tokenizer, launching training through scripts/train.sh, and
+loading a command-line script of scripts/ as a module (scripts/ is on no import path)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,18 @@ from torchtitan_ext.default_tokenizer import build  # noqa: E402
 
 from torchtitan_ext.paths import default_tokenizer_dir  # noqa: E402
 from torchtitan_ext.run_log import parse_steps  # noqa: E402
+
+
+@functools.cache
+def load_script(name: str):
+    """scripts/<name>.py loaded as a module, once per session, for the tests that call a
+    script's main or its helpers (scripts/ is on no import path: library code lives in the
+    packages)."""
+    spec = importlib.util.spec_from_file_location(f"scripts.{name}", REPO / "scripts" / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
 
 QUIET = ["--metrics.no-enable-wandb", "--metrics.log_freq", "1", "--metrics.disable_color_printing"]
 

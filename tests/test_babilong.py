@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import eval_tasks
+from conftest import load_script
 from torchtitan_ext.checkpoints import build_model
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.eval import babilong
+from torchtitan_ext.eval import babilong, tasks
+from torchtitan_ext.eval.long_ppl import Entry
 from torchtitan_ext.paths import default_tokenizer_dir
 from torchtitan_ext.tokenizer import AssetsTokenizer
 
@@ -91,9 +92,10 @@ def test_babilong_length_names():
 def test_babilong_cli_with_a_folder_missing_a_task_exits_2_before_loading_anything(tmp_path, capsys):
     write_official(tmp_path / "data", "babilong-1k-samples", tasks=("qa1",), lengths=("2k",))
     with pytest.raises(SystemExit) as stop:
-        eval_tasks.main(["--checkpoint", str(tmp_path / "no-checkpoint"), "--config", "train_configs.backbone:mone_debug",
-                         "--tasks", "babilong", "--babilong-path", str(tmp_path / "data"), "--babilong-tasks",
-                         "qa1,qa2", "--context-lengths", "2048", "--out", str(tmp_path / "out")])
+        load_script("eval_tasks").main(["--checkpoint", str(tmp_path / "no-checkpoint"), "--config",
+                                        "train_configs.backbone:mone_debug", "--tasks", "babilong", "--babilong-path",
+                                        str(tmp_path / "data"), "--babilong-tasks", "qa1,qa2", "--context-lengths",
+                                        "2048", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and "has no qa2 at 2k" in err[0]
     assert not (tmp_path / "out").exists()
@@ -195,7 +197,6 @@ def test_babilong_generator_is_deterministic_and_fills_the_length(tokenizer):
 def test_babilong_scores_a_substring_of_the_output_and_resets_the_memory_per_sample(tokenizer):
     """The thesis' criterion on a given output; a real MemoryLlama stream (memory awake): a
     sample's output is the same whether another sample came before it or not."""
-    from eval_long_ppl import Entry
     from test_memory_llama import awaken, tiny
 
     said = tokenizer.encode(" the kitchen.", add_bos=False, add_eos=False)
@@ -208,7 +209,7 @@ def test_babilong_scores_a_substring_of_the_output_and_resets_the_memory_per_sam
     model = awaken(tiny(chunk=8)).eval()
     entry = Entry("alma", model, "streaming", 64, 8, 1024)
     a, b = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(5)).tolist()
-    generate = lambda ids, query: eval_tasks.answer(entry, ids, 4, query)  # noqa: E731
+    generate = lambda ids, query: tasks.answer(entry, ids, 4, query)  # noqa: E731
     item = cells["qa1", "0k"][0][1]
     both = babilong.evaluate(generate, {("qa1", "0k"): [(a, item), (b, item)]}, tokenizer)["qa1"]["0k"]["outputs"]
     alone = babilong.evaluate(generate, {("qa1", "0k"): [(b, item)]}, tokenizer)["qa1"]["0k"]["outputs"]
@@ -228,8 +229,9 @@ def test_babilong_cli_on_memoryllama_mone_and_the_backbone_writes_the_thesis_tab
         dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
         args += ["--checkpoint", str(folder), "--config", f"train_configs.backbone:{config}", "--label", label,
                  "--mode", "streaming"]
-    eval_tasks.main(args + ["--tasks", "babilong", "--babilong-tasks", "qa4", "--context-lengths", "0k,100",
-                            "--samples", "1", "--answer-tokens", "4", "--out", str(tmp_path / "out")])
+    load_script("eval_tasks").main(args + ["--tasks", "babilong", "--babilong-tasks", "qa4", "--context-lengths",
+                                           "0k,100", "--samples", "1", "--answer-tokens", "4", "--out",
+                                           str(tmp_path / "out")])
     results = json.loads((tmp_path / "out" / "babilong.json").read_text())
     assert results["answer_tokens"] == 4 and results["samples"] == 1 and results["lengths"] == ["0k", "100"]
     assert [(m["label"], m["question"], len(m["seeds"])) for m in results["models"]] == [

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
-import bench_mone
+from conftest import load_script
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
 from models.grafts.graft import GraftConfig
+
+bench_mone = load_script("bench_mone")
 
 SEGMENT = 16
 

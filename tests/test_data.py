@@ -164,7 +164,9 @@ def test_local_source_rejects_missing_and_mixed_paths(tmp_path):
 def test_fineweb_edu_download_takes_the_subsets_first_shards_resumes_and_trains_locally(tmp_path):
     from pathlib import Path
 
-    from download_fineweb_edu import download
+    from conftest import load_script
+
+    download = load_script("download_fineweb_edu").download
 
     class FakeHub:
         files = ["README.md", "sample/10BT/001_00000.parquet", "sample/10BT/000_00000.parquet",

@@ -1,4 +1,5 @@
-"""scripts/eval_long_ppl.py on tiny checkpoints written here (DCP, model weights only)."""
+"""scripts/eval_long_ppl.py (torchtitan_ext/eval/long_ppl.py) on tiny checkpoints written here (DCP, model
+weights only)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import REPO
-from eval_long_ppl import Entry, token_nll, window_nll
 from torchtitan_ext.checkpoints import build_model, causal_logits
+from torchtitan_ext.eval.long_ppl import Entry, token_nll, window_nll
 
 MELA = "train_configs.mela:mela_debug"
 TRANSFORMER = "train_configs.transformer:transformer_small"
@@ -138,9 +139,8 @@ def test_a_hugging_face_export_evaluates_exactly_as_its_dcp_checkpoint(checkpoin
 def test_local_evaluation_reads_only_documents_training_never_reads(tmp_path):
     """The held-out split of a local dataset is the validation hash split: disjoint from the
     documents the `local` training dataset yields, and what the results name."""
-    from eval_long_ppl import dataset_split, documents
-
     from torchtitan_ext import datasets
+    from torchtitan_ext.eval.long_ppl import dataset_split, documents
 
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(600)))

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from eval_long_ppl import main as eval_main
-from param_counts import counts
+from conftest import load_script
 from test_hf import load_without_project, run_script
 from toy_family import TOY
 from toy_model import ToyLM
@@ -44,7 +43,7 @@ def test_a_family_registers_once():
 def test_a_toy_family_reaches_catalogue_counts_flops_export_and_eval(toy, tokenizer_dir, tmp_path):
     assert ("toy_debug", "The toy decoder at debug size.") in config_functions()["toy_family"]
     size = sum(p.numel() for p in ToyLM(toy.config("debug")).parameters())
-    assert ("toy", "debug", size) in counts()
+    assert ("toy", "debug", size) in load_script("param_counts").counts()
     spec = toy.model_spec("debug").model
     with torch.device("meta"):
         n_params, flops = spec.get_nparams_and_flops(spec.build(), 64)
@@ -66,7 +65,8 @@ def test_a_toy_family_reaches_catalogue_counts_flops_export_and_eval(toy, tokeni
     docs.write_text("".join(json.dumps({"text": "memory " * 300}) + "\n" for _ in range(2)))
     nll = {}
     for source in ("dcp", "hf"):
-        eval_main(["--checkpoint", str(tmp_path / source), "--config", "toy_family:toy_debug", "--dataset", str(docs),
-                   "--split", "all", "--context-lengths", "128", "--out", str(tmp_path / f"eval_{source}")])
+        load_script("eval_long_ppl").main(["--checkpoint", str(tmp_path / source), "--config", "toy_family:toy_debug",
+                                           "--dataset", str(docs), "--split", "all", "--context-lengths", "128",
+                                           "--out", str(tmp_path / f"eval_{source}")])
         nll[source] = json.loads((tmp_path / f"eval_{source}" / "results.json").read_text())["runs"][0]["results"]["128"]
     assert nll["dcp"] == nll["hf"] and nll["dcp"]["tokens"] == 2 * 127

@@ -1,4 +1,5 @@
-"""The FLOP counts behind the logged MFU (torchtitan_ext/flops.py) agree with torch's
+"""The FLOP counts behind the logged MFU (each family's `flops_per_token` in torchtitan_ext/<family>.py,
+on the primitives of torchtitan_ext/flops.py) agree with torch's
 FlopCounterMode over one training step (forward + backward) of each debug model, within 10%
 (GradMem's second-order step too).
 
@@ -24,7 +25,7 @@ from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
 from models.grafts.memory_llama import THESIS_MEMORY
 from torchtitan_ext import backbone, flops, gradmem, mela, titans
-from torchtitan_ext.families import families
+from torchtitan_ext.families import families, training_flops_per_token
 
 # seq_len per family: Titans at its window (64 = 4 memory chunks of 16), Mela at 4 decoder
 # chunks of P * C = 64, the MLP-FFN LM at 128. GradMem's rows are [context | read]: its own test below.
@@ -62,7 +63,7 @@ def measured_flops_per_token(model_cls, config, seq_len: int) -> float:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_count_matches_flop_counter_over_a_training_step(name):
     model_cls, config, seq_len = CASES[name]
-    ratio = flops.training_flops_per_token(config, seq_len, 0) / measured_flops_per_token(model_cls, config, seq_len)
+    ratio = training_flops_per_token(config, seq_len, 0) / measured_flops_per_token(model_cls, config, seq_len)
     assert abs(ratio - 1) < 0.1, ratio
 
 
@@ -71,9 +72,9 @@ def test_mela_count_follows_the_recursion_depth():
     _, config, seq_len = CASES["mela_debug"]
     deeper = dataclasses.replace(config, h_cycles=config.h_cycles + 2, memstack=False)
     shallow = dataclasses.replace(config, memstack=False)
-    counted = flops.mela(deeper, seq_len) - flops.mela(shallow, seq_len)
+    counted = mela.flops_per_token(deeper, seq_len) - mela.flops_per_token(shallow, seq_len)
     measured = measured_flops_per_token(Mela, deeper, seq_len) - measured_flops_per_token(Mela, shallow, seq_len)
-    assert counted > 0.1 * flops.mela(shallow, seq_len)
+    assert counted > 0.1 * mela.flops_per_token(shallow, seq_len)
     assert abs(counted / measured - 1) < 0.1, (counted, measured)
 
 
@@ -82,7 +83,7 @@ def test_torchtitan_reads_the_count():
     with torch.device("meta"):
         model = spec.build()
     _, per_token = spec.get_nparams_and_flops(model, 64)
-    assert per_token == flops.titans(spec.model, 64)
+    assert per_token == titans.flops_per_token(spec.model, 64)
 
 
 GRADMEM = {
@@ -109,5 +110,5 @@ def test_gradmem_count_matches_flop_counter_over_a_training_step(name):
         logits, write_loss = model(tokens, positions)
         (logits.logsumexp(-1).mean() + write_loss.sum()).backward()
     measured = counter.get_total_flops() / (context + read)
-    assert abs(flops.gradmem_row(config, context, read) / measured - 1) < 0.01
-    assert abs(flops.training_flops_per_token(config, context + read, 0) / measured - 1) < 0.1
+    assert abs(gradmem.row_flops(config, context, read) / measured - 1) < 0.01
+    assert abs(training_flops_per_token(config, context + read, 0) / measured - 1) < 0.1

@@ -8,9 +8,10 @@ import subprocess
 import pytest
 import torch
 
-import gpu_check
-from conftest import REPO
+from conftest import load_script, REPO
 from torchtitan_ext.run_log import last_line, parse_steps
+
+gpu_check = load_script("gpu_check")
 
 SAMPLE_LOG = ("[titan] 2026-11-22 10:00:09,067 - root - INFO - \x1b[31mstep:  3  \x1b[32mloss:  7.12345  "
               "\x1b[33mgrad_norm:  1.2000  \x1b[34mmemory:  1.20GiB(2.00%)  \x1b[34mtps: 12,345  "

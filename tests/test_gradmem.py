@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 
-from conftest import REPO, train
+from conftest import load_script, REPO, train
 from models.lms.gradmem import GradMemLM, GradMemLMConfig
 from models.memory.gradmem import GradMemConfig, gradmem_diagnostics
 from torchtitan_ext.gradmem import exact_match, weighted_write_loss
@@ -332,7 +332,7 @@ def test_trains_through_torchtitan_and_one_and_two_processes_agree(tmp_path):
     assert "local batch 4 -> 2 sequences to fit the global batch of 4 on 2 ranks" in double.output
     assert max(abs(single.losses[s] - double.losses[s]) / single.losses[s] for s in single.losses) < 1e-4
 
-    from eval_tasks import main as eval_main
+    eval_main = load_script("eval_tasks").main
 
     def scored(out: str, pairs: str = "4,8", steps: str = "1,3") -> None:
         argv = []
@@ -362,7 +362,7 @@ def test_the_replication_script_runs_the_paper_texts_first_order_setting_and_poo
     method is refused with exit 2."""
     import json
 
-    from replicate_gradmem_kv import main as replicate
+    replicate = load_script("replicate_gradmem_kv").main
 
     out = tmp_path / "out"
     replicate(["--out", str(out), "--seeds", "0,1", "--methods", "gradient:1:1.0:first", "--stages", "1",

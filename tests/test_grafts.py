@@ -54,7 +54,7 @@ def test_lora_equals_peft_and_merges(tmp_path):
 
 
 def test_layer_specs_name_the_thesis_placements_and_refuse_what_is_not_there():
-    from models.grafts.graft import graft_layers
+    from models.layers.graft_layers import graft_layers
 
     assert graft_layers("alma", 16) == [14, 15] and graft_layers("elma", 16) == [0, 1]
     assert graft_layers("gema:4", 16) == [3, 7, 11, 15] and graft_layers("all", 3) == [0, 1, 2]
@@ -127,3 +127,47 @@ def test_a_lora_finetune_from_hugging_face_keeps_the_backbone_and_exports_merged
         assert hf["class"] == exported_class  # unmerged: backbone + LoRA as remote code
         with torch.no_grad():
             assert (hf["logits"] - model(x)).abs().max() < 1e-5
+
+
+class ToyGraftBlock(torch.nn.Module):
+    """A toy memory graft: the block's output plus a learned vector (`memory_bias`)."""
+
+    def __init__(self, block, dim, cfg):
+        super().__init__()
+        self.block, self.memory_bias = block, torch.nn.Parameter(torch.zeros(dim))
+        self.last_stats = {}
+
+    def graft_parameters(self):
+        return [self.memory_bias]
+
+    def reset_graft(self):
+        torch.nn.init.ones_(self.memory_bias)
+
+    def forward(self, x, *args):
+        self.last_stats = {"bias_norm": self.memory_bias.detach().norm()}
+        return self.block(x, *args) + self.memory_bias
+
+    def step(self, x, positions, cache):
+        return self(x, positions, None), cache
+
+
+def test_a_new_graft_kind_is_one_table_row(monkeypatch):
+    """Adding a kind touches its own module and one line of GRAFT_KINDS: config check, block
+    swap, freezing, init and diagnostics follow from the row."""
+    from models.backbones.decoder_lm import DecoderLM
+    from models.grafts import graft
+    from torchtitan_ext.backbone import model_config
+
+    monkeypatch.setitem(graft.GRAFT_KINDS, "toy", graft.GraftKind(graft_block=ToyGraftBlock))
+    model = DecoderLM(model_config("qwen3_debug", graft=graft.GraftConfig(kind="toy", layers="alma")))
+    n_layers = len(model.layers)
+    grafted = [i for i in range(n_layers) if isinstance(model.layers[str(i)], ToyGraftBlock)]
+    assert grafted == [n_layers - 2, n_layers - 1]
+    assert all(isinstance(model.layers[str(i)], graft.GraftBlock) for i in grafted)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable == [f"layers.{i}.memory_bias" for i in grafted]
+    assert all(torch.equal(model.layers[str(i)].memory_bias, torch.ones(model.cfg.dim)) for i in grafted)
+    model(torch.randint(0, model.cfg.vocab_size, (1, 8)))
+    assert set(graft.graft_diagnostics(model)) == {f"memory/layer{i}/bias_norm" for i in grafted}
+    with pytest.raises(ValueError, match="graft kind 'toy2' unknown"):
+        graft.GraftConfig(kind="toy2")

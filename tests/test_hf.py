@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import train
+from conftest import load_script, train
 from torchtitan_ext.checkpoints import build_model, causal_logits, load_dcp_model
 from torchtitan_ext.tokenizer import AssetsTokenizer
 from torchtitan_ext.transformer import FAMILY as TRANSFORMER
@@ -65,7 +65,7 @@ torch.save({"logits": logits, "generated": generated, "class": type(model).__nam
 
 def run_script(name: str, *args) -> int:
     """Run scripts/<name>'s main in this process; its exit code (0 when it returns)."""
-    module = __import__(name.removesuffix(".py"))
+    module = load_script(name.removesuffix(".py"))
     try:
         module.main([str(a) for a in args])
     except SystemExit as e:

@@ -129,8 +129,7 @@ def test_locas_forgetting_scores_the_merged_export_and_the_baseline_through_lm_e
     export and the untouched model go through lm_eval on a local MMLU-format task, and each
     accuracy and the paired change equal the argmax of the project's own log-likelihoods."""
     assert importlib.util.find_spec("lm_eval"), "lm_eval is missing: EXTRAS=eval bash scripts/setup.sh (test.sh does)"
-    import eval_long_ppl
-    import locas_forgetting
+    from conftest import load_script
     from test_backbone import qwen3_debug_checkpoint
     from torchtitan_ext.hf_export import export, import_weights
 
@@ -138,16 +137,18 @@ def test_locas_forgetting_scores_the_merged_export_and_the_baseline_through_lm_e
     model, trainer_config = import_weights("train_configs.backbone", "backbone_qwen3_debug", tmp_path / "random")
     export(model, trainer_config, tmp_path / "base")  # the baseline, with the tokenizer beside it
     (tmp_path / "book.txt").write_text(" ".join(f"word{i % 37} of the book" for i in range(150)))
-    eval_long_ppl.main(["--checkpoint", str(tmp_path / "base"), "--config", "train_configs.backbone:backbone_qwen3_debug",
-                        "--dataset", str(tmp_path / "book.txt"), "--split", "all", "--window", "64", "--probe-docs", "0",
-                        "--out", str(tmp_path / "ttt"), "--ttt", "locas_glu", "--ttt-rank", "8", "--ttt-lr", "1.0",
-                        "--merge-out", str(tmp_path / "merged")])
+    load_script("eval_long_ppl").main([
+        "--checkpoint", str(tmp_path / "base"), "--config", "train_configs.backbone:backbone_qwen3_debug",
+        "--dataset", str(tmp_path / "book.txt"), "--split", "all", "--window", "64", "--probe-docs", "0",
+        "--out", str(tmp_path / "ttt"), "--ttt", "locas_glu", "--ttt-rank", "8", "--ttt-lr", "1.0",
+        "--merge-out", str(tmp_path / "merged")])
     questions = mmlu_style_questions(12)
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "tiny_mc.yaml").write_text(MC_TASK.format(data=tmp_path / "mc.jsonl"))
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.setenv(name, "1")
+    locas_forgetting = load_script("locas_forgetting")
     locas_forgetting.main(["--model", f"baseline={tmp_path / 'base'}", "--model", f"locas_glu={tmp_path / 'merged'}",
                            "--tasks", "tiny_mc", "--include-path", str(tmp_path / "tasks"), "--out", str(tmp_path / "out")])
     rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]

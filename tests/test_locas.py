@@ -1,7 +1,7 @@
 """Locas (models/memory/locas.py, paper 000): Locas-GLU's top-K cloning init, tau, clipping
 and merge on the Llama / Qwen3 backbone; Locas-MLP's gradient-guided slots, NL-SVD cap and
 merge on the MLP-FFN LM; the paper's parameter counts at Qwen3-0.6B / 1.7B shapes; the
-whole-book protocol (scripts/whole_book.py): scoring before learning, causality, the
+whole-book protocol (torchtitan_ext/eval/whole_book.py): scoring before learning, causality, the
 memory read and written, bad input."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import math
 import pytest
 import torch
 
+from conftest import load_script
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
 from models.layers.ffn import SwiGLU
 from models.lms.mlp_lm import MLPLM, MLPLMConfig
 from models.memory.locas import (attach_locas, channel_importance, extra_parameters, init_glu_memories, LocasConfig,
                                  LocasGLU, memory_parameters, merge_locas, SidewaysFFN)
 from torchtitan_ext.errors import UserError
-from whole_book import chunk_nll, markdown, Protocol, read_document, Reader, run_whole_book
+from torchtitan_ext.eval.whole_book import chunk_nll, markdown, Protocol, read_document, Reader, run_whole_book
 
 VOCAB = 96
 
@@ -350,10 +351,8 @@ def backbone_folder(tmp_path_factory):
 
 
 def eval_main(argv, capsys):
-    import eval_long_ppl
-
     with pytest.raises(SystemExit) as stop:
-        eval_long_ppl.main(argv)
+        load_script("eval_long_ppl").main(argv)
     return stop.value.code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
 
 
@@ -371,11 +370,9 @@ def ttt_args(folder, dataset, out, *extra):
 def test_ttt_mode_writes_cumulative_perplexity_and_a_merged_plain_export(backbone_folder, tmp_path, tokenizer_dir):
     from transformers import AutoModelForCausalLM
 
-    import eval_long_ppl
-
     out, merged = tmp_path / "out", tmp_path / "merged"
-    eval_long_ppl.main(ttt_args(backbone_folder, book(tmp_path, 120), out, "--ttt", "truncated,locas_glu,templora",
-                                "--ttt-rank", "8", "--merge-out", str(merged)))
+    load_script("eval_long_ppl").main(ttt_args(backbone_folder, book(tmp_path, 120), out, "--ttt",
+                                               "truncated,locas_glu,templora", "--ttt-rank", "8", "--merge-out", str(merged)))
     results = json.loads((out / "results.json").read_text())
     assert [m["method"] for m in results["methods"]] == ["truncated", "locas_glu", "templora"]
     locas = results["methods"][1]

@@ -65,11 +65,11 @@ def test_a_wrong_locomo_file_is_one_clear_error(tmp_path, content, message):
 
 
 def test_eval_long_ppl_reads_locomo_dialogues_as_documents(tmp_path):
-    import eval_long_ppl
+    from torchtitan_ext.eval.long_ppl import documents
 
     path = tmp_path / "locomo.json"
     path.write_text(json.dumps([SAMPLE]))
-    docs = list(eval_long_ppl.documents(f"locomo:{path}"))
+    docs = list(documents(f"locomo:{path}"))
     assert docs == [load_locomo(path)[0].text()]
 
 

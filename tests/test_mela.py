@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import streamed
+from conftest import load_script, streamed
 from models.layers.decoder import DecoderBlock
 from models.lms.mela import Mela, MelaConfig, mela_memory
 
@@ -201,19 +201,17 @@ TABLE_1 = {"400m": (27.45, 65.75), "800m": (28.78, 66.35), "1b2": (18.19, 76.97)
 
 @pytest.mark.parametrize("flavor", sorted(TABLE_1))
 def test_paper_sizes_match_table_1_shares(flavor):
-    from param_counts import mela_shares
-
     from torchtitan_ext.mela import model_config
 
     cfg = model_config(flavor)
     assert (cfg.h_cycles, cfg.l_cycles, cfg.h_layers, cfg.patch_size, cfg.chunk_size, cfg.vocab_size) == (4, 4, 8, 32, 64, 32000)
-    shares, (memory, language) = mela_shares(flavor), TABLE_1[flavor]
+    shares, (memory, language) = load_script("param_counts").mela_shares(flavor), TABLE_1[flavor]
     assert abs(shares["memory"] / memory - 1) < 0.02 and abs(shares["language"] / language - 1) < 0.02
 
 
 @pytest.mark.parametrize("flavor", ["400m", "800m", "1b2"])
 def test_transformer_peer_has_the_mela_flavors_parameter_count(flavor):
-    from param_counts import param_count
+    param_count = load_script("param_counts").param_count
 
     assert abs(param_count("transformer", f"mela_{flavor}_peer") / param_count("mela", flavor) - 1) < 0.02
 
@@ -317,6 +315,8 @@ def test_section_5_3_ablations_are_named_configs_on_the_1b_token_budget():
 
     assert {"h_cycles_1", "h_cycles_2", "l_cycles_1", "l_cycles_2", "h_layers_2", "l_layers_2", "l_layers_8",
             "no_newton_schulz", "no_neural_memory", "per_step_chain"} <= set(configs.ABLATIONS)
+    written = {n.removeprefix("mela_400m_") for n in vars(configs) if n.startswith("mela_400m_")}
+    assert written == set(configs.ABLATIONS)  # one written-out config function per row, no other
     for name, (fields, _) in configs.ABLATIONS.items():
         config = getattr(configs, f"mela_400m_{name}")()
         model = config.model_spec.model.model

@@ -6,10 +6,12 @@ import pytest
 import torch
 from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
+from conftest import load_script
 from models.lms.mlp_lm import MLPLM, MLPLMConfig
-from param_counts import param_count
 from torchtitan_ext import mlp_lm, transformer
 from torchtitan_ext.plain_model import WrapperStateDictAdapter
+
+param_count = load_script("param_counts").param_count
 
 # Sizes the flavors claim: the Mela paper's three scales (Table 1) and Locas' "0.6B".
 CLAIMED = {("transformer", "400m"): 400e6, ("transformer", "800m"): 800e6, ("transformer", "1b2"): 1.2e9,

@@ -8,25 +8,27 @@ import math
 import pytest
 import torch
 
-from replicate_mela_length import CONTEXT, EVAL_MULTIPLES, markdown, summarize
+from conftest import load_script
+
+replicate = load_script("replicate_mela_length")
 
 
 def test_summary_pools_seeds_reports_each_and_pairs_effects_by_seed_and_document():
-    seeds, docs, length = 3, 6, CONTEXT * EVAL_MULTIPLES[-1] - 1
+    seeds, docs, length = 3, 6, replicate.CONTEXT * replicate.EVAL_MULTIPLES[-1] - 1
     generator = torch.Generator().manual_seed(0)
     full = 4.0 + 0.3 * torch.rand(seeds, docs, length, generator=generator, dtype=torch.float64)
     offsets = torch.tensor([0.0, 0.2, 0.4], dtype=torch.float64)[:, None, None]  # the chunk-local model is worse by seed
     losses = {"transformer, full": full, "transformer, chunk-local": full + offsets}
-    results = summarize(losses)
-    at_one_x = results["runs"]["transformer, full"]["results"][str(CONTEXT)]
-    prefix = full[:, :, : CONTEXT - 1]
+    results = replicate.summarize(losses)
+    at_one_x = results["runs"]["transformer, full"]["results"][str(replicate.CONTEXT)]
+    prefix = full[:, :, : replicate.CONTEXT - 1]
     assert math.isclose(at_one_x["ppl"], prefix.mean().exp().item(), rel_tol=1e-9)
     assert at_one_x["seeds"] == pytest.approx([math.exp(prefix[s].mean().item()) for s in range(seeds)], rel=1e-12)
-    effect = results["effects"]["window effect: transformer chunk-local / full"][str(CONTEXT)]
+    effect = results["effects"]["window effect: transformer chunk-local / full"][str(replicate.CONTEXT)]
     assert effect["seeds"] == pytest.approx([math.exp(o) for o in (0.0, 0.2, 0.4)], rel=1e-12)
     assert math.isclose(effect["ratio"], math.exp(0.2), rel_tol=1e-9)
     # documents agree within a seed, so the whole spread is the seeds': the interval spans them
     low, high = effect["ci95"]
     assert low < math.exp(0.1) and high > math.exp(0.3)
-    table = markdown(results, steps=10)
+    table = replicate.markdown(results, steps=10)
     assert "seeds 1.000, 1.221, 1.492" in table

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from summarize_run import summary
+from conftest import load_script
 from torchtitan_ext.run_log import parse_steps
+
+summary = load_script("summarize_run").summary
 
 LOG = ("[titan] \x1b[31mstep:  1  \x1b[32mloss:  8.50000  grad_norm: 1.0  tps: 1,000  mfu: N/A\x1b[39m\n"
        "[titan] step:  2  loss:  7.25000  grad_norm: 1.0  tps: 3,000  mfu: 1.50%\n"

@@ -1,7 +1,9 @@
-"""scripts/eval_tasks.py: the generated tasks, their scorers, and the CLI on tiny checkpoints."""
+"""scripts/eval_tasks.py (torchtitan_ext/eval/tasks.py): the generated tasks, their scorers, and the CLI on
+tiny checkpoints."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -10,9 +12,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import eval_tasks
+from conftest import load_script
 from torchtitan_ext import synthetic_tasks
 from torchtitan_ext.checkpoints import build_model
+from torchtitan_ext.eval import tasks
+from torchtitan_ext.eval.long_ppl import Entry
 from torchtitan_ext.paths import default_tokenizer_dir
 from torchtitan_ext.tokenizer import AssetsTokenizer
 
@@ -107,7 +111,7 @@ def test_cli_writes_results_for_several_checkpoints_and_rejects_unknown_tasks(to
         dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
         args += ["--checkpoint", str(folder), "--config", config, "--mode", mode]
     common = ["--context-lengths", "160", "--samples", "2", "--answer-tokens", "2", "--tasks", "s_niah,kv_retrieval"]
-    eval_tasks.main(args + common + ["--out", str(tmp_path / "out")])
+    load_script("eval_tasks").main(args + common + ["--out", str(tmp_path / "out")])
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     runs = results["runs"]
     assert [(r["mode"], r["question"], len(r["checkpoints"])) for r in runs] == [("streaming", "continue", 1),
@@ -126,7 +130,7 @@ def test_cli_writes_results_for_several_checkpoints_and_rejects_unknown_tasks(to
     for bad, message in ((["--tasks", "passkey"], "unknown task(s) ['passkey']"),
                          (["--question", "new_segment"], "--question new_segment needs a model whose every block")):
         with pytest.raises(SystemExit) as stop:
-            eval_tasks.main(args + common + bad + ["--out", str(tmp_path / "bad")])
+            load_script("eval_tasks").main(args + common + bad + ["--out", str(tmp_path / "bad")])
         assert stop.value.code == 2 and message in capsys.readouterr().err
         assert not (tmp_path / "bad").exists()
 
@@ -142,9 +146,9 @@ def test_answer_nll_counts_the_answer_and_eos_tokens_only(monkeypatch):
             logits[0, i, full[i + 1]] = 50.0 if i >= start - 1 else -50.0
         return logits
 
-    monkeypatch.setattr(eval_tasks, "entry_logits", confident_on_the_answer)
-    assert eval_tasks.answer_nll(None, full, start) < 1e-6
-    assert eval_tasks.answer_nll(None, full, start - 1) > 10
+    monkeypatch.setattr(tasks, "entry_logits", confident_on_the_answer)
+    assert tasks.answer_nll(None, full, start) < 1e-6
+    assert tasks.answer_nll(None, full, start - 1) > 10
 
 
 @pytest.mark.parametrize("query", [0, 19])
@@ -152,7 +156,6 @@ def test_a_streamed_answer_equals_re_reading_the_sequence(query):
     """Token-by-token decoding through the stream (a MoNe graft: segments, memory writes and
     a query crossing a segment boundary, or starting a new segment at 19) gives the greedy
     answer of re-reading everything, and the answer's NLL of one pass."""
-    from eval_long_ppl import Entry
     from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
     from models.grafts.graft import GraftConfig
 
@@ -163,8 +166,8 @@ def test_a_streamed_answer_equals_re_reading_the_sequence(query):
     ids = torch.randint(0, 64, (29,), generator=torch.Generator().manual_seed(1)).tolist()
     full = Entry("full", model, "full", 64, 0, 1024)
     streaming = Entry("streaming", model, "streaming", 64, 5, 1024)
-    assert eval_tasks.answer(streaming, ids, 12, query) == eval_tasks.answer(full, ids, 12, query)
-    assert eval_tasks.answer_nll(streaming, ids, 25, query) == pytest.approx(eval_tasks.answer_nll(full, ids, 25, query),
+    assert tasks.answer(streaming, ids, 12, query) == tasks.answer(full, ids, 12, query)
+    assert tasks.answer_nll(streaming, ids, 25, query) == pytest.approx(tasks.answer_nll(full, ids, 25, query),
                                                                              rel=1e-12)
 
 
@@ -174,7 +177,6 @@ def test_the_eval_question_reads_the_context_only_through_the_memory(mode, token
     model, the question as a new segment (the default for MoNe): with writes disabled a
     changed context token (first, middle, last) leaves the question's logits exactly
     unchanged, with writes on it changes them."""
-    from eval_long_ppl import Entry
     from test_mone import awaken, tiny
 
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(default_tokenizer_dir()))
@@ -182,17 +184,17 @@ def test_the_eval_question_reads_the_context_only_through_the_memory(mode, token
     for block in models[1].layers.values():
         block.memory_lr.bias.data.fill_(-800.0)
     written, unwritten = (Entry(mode, m, mode, 256, 24, 1024) for m in models)
-    args = eval_tasks.argparse.Namespace(question=None)
-    assert eval_tasks.questions(args, [(written, None)]) == ["new_segment"]
+    args = argparse.Namespace(question=None)
+    assert tasks.questions(args, [(written, None)]) == ["new_segment"]
     for task in ("s_niah", "mk_niah"):
         ids, sample = synthetic_tasks.fit_sample(task, random.Random(task), tokenizer, 176)
-        prompt, query, full, start = eval_tasks.encode_prompt(task, sample, ids, tokenizer, "new_segment")
+        prompt, query, full, start = tasks.encode_prompt(task, sample, ids, tokenizer, "new_segment")
         assert full[:query] == prompt[:query] and query < start < len(full) and query % 16
         rows = torch.tensor([prompt] * 4)
         for row, where in enumerate((1, query // 2, query - 1), 1):
             rows[row, where] = (rows[row, where] + 1) % tokenizer.get_vocab_size()
         for entry, moved in ((unwritten, False), (written, True)):
             with torch.no_grad():
-                logits = eval_tasks.prompt_logits(entry, rows, query)[:, query:]
+                logits = tasks.prompt_logits(entry, rows, query)[:, query:]
             for changed in logits[1:]:
                 assert (changed - logits[0]).abs().amax(-1).min() > 1e-9 if moved else torch.equal(changed, logits[0])

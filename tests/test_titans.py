@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import streamed
+from conftest import load_script, streamed
 from models.lms.titans import mac_mask, prefix_window_mask, TitansConfig, TitansLM, VARIANTS
 from models.memory.neural_memory import NeuralMemoryConfig
-from param_counts import param_count
+
+param_count = load_script("param_counts").param_count
 
 VOCAB = 50
 

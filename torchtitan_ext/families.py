@@ -77,8 +77,9 @@ class Family:
         from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
 
         config = self.config(flavor, **overrides)
-        return plain_model_spec(self.spec_name(config), flavor, torchtitan_model(self.plain_class, self.config_class),
-                                dataclasses.replace(config), self.state_dict_adapter)
+        model_cls = torchtitan_model(self.plain_class, self.config_class, self.flops_per_token)
+        return plain_model_spec(self.spec_name(config), flavor, model_cls, dataclasses.replace(config),
+                                self.state_dict_adapter)
 
     def specs(self):
         """(ModelSpec name, flavor, overrides) of every variant and flavor."""
@@ -138,6 +139,13 @@ def family_of_config(config) -> Family:
         if type(config) is family.config_class:
             return family
     raise ValueError(f"{type(config).__name__} is the config of no registered family")
+
+
+def training_flops_per_token(config, seq_len: int, n_params: int) -> float:
+    """Training FLOPs per token of a plain model config: its family's count
+    (`Family.flops_per_token`), or the dense 6 x parameters where the family has none."""
+    count = family_of_config(config).flops_per_token
+    return count(config, seq_len) if count else 6.0 * n_params
 
 
 def family_of_config_function(function: str) -> Family:

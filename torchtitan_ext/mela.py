@@ -38,7 +38,41 @@ FLAVORS = {
                 memory=mela_memory(expansion=2)),
 }
 
+def flops_per_token(cfg: MelaConfig, seq_len: int) -> float:
+    """Per text token. Decoder: every chunk of P*C text tokens runs with its C memory tokens
+    (positions (P*C + C) / (P*C) per token), GQA attention over the chunk, SwiGLU, plus the
+    diagnostic attention mass of the last 64 queries (forward only); output head. HMM (per
+    patch, 1/P per token): patchify, then H cycles of L L-module steps and one H-module step,
+    the first H-1 cycles forward only; each module step = input fusion MLP + its blocks
+    (gated attention over the chunk's C patches, neural memory); the output fusions. Both
+    memory chains run the same steps; with `memory_path=False` the HMM does not run."""
+    d, m, p, c = cfg.dim, cfg.memory_dim, cfg.patch_size, cfg.chunk_size
+    chunk = cfg.chunk_tokens + c
+    kv = cfg.n_kv_heads * cfg.head_dim
+    layer = 2 * flops.linear(d, d) + 2 * flops.linear(d, kv) + flops.attention_span(d, chunk) + 3 * flops.linear(d, cfg.ffn_hidden)
+    decoder = flops.TRAIN * cfg.n_layers * layer * chunk / cfg.chunk_tokens
+    decoder += flops.FORWARD_ONLY * cfg.n_layers * 2 * min(64, chunk) * chunk * d / cfg.chunk_tokens
+    decoder += flops.TRAIN * flops.linear(d, cfg.vocab_size)
+
+    memory_kv = cfg.memory_kv_heads * (m // cfg.memory_heads)
+    block = 0.0
+    if cfg.memory_attention:
+        block += 2 * flops.linear(m, m) + 2 * flops.linear(m, memory_kv) + flops.attention_span(m, c)
+        block += flops.linear(m, m) if cfg.attention_gating else 0
+    if cfg.neural_memory:
+        block += flops.neural_memory(cfg.memory)
+    fusion_in = flops.linear(2 * m, m) + flops.linear(m, m)
+    l_step, h_step = fusion_in + cfg.l_layers * block, fusion_in + cfg.h_layers * block
+    cycle = cfg.l_cycles * l_step + h_step
+    output_fusion = flops.linear(2 * m, m) + flops.linear(m, d) if cfg.fusion == "mlp" else (flops.linear(m, d) if m != d else 0)
+    fusions = cfg.h_cycles if cfg.memstack else 1
+    hmm_per_patch = flops.FORWARD_ONLY * (cfg.h_cycles - 1) * cycle + flops.TRAIN * (cycle + fusions * output_fusion)
+    hmm_per_patch += flops.TRAIN * flops.linear(m * p, m)  # patchify: a stride-P conv over P tokens
+    hmm = hmm_per_patch / p + (flops.TRAIN * flops.linear(d, m) if m != d else 0)
+    return decoder + (hmm if cfg.memory_path else 0.0)
+
+
 FAMILY = Family(name="mela", summary="Mela: Transformer++ decoder reading a Hierarchical Memory Module (arXiv:2605.10537)",
-                flavors=FLAVORS, config_class=MelaConfig, plain_class=Mela, flops_per_token=flops.mela,
+                flavors=FLAVORS, config_class=MelaConfig, plain_class=Mela, flops_per_token=flops_per_token,
                 diagnostics=mela_diagnostics)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec

@@ -27,12 +27,13 @@ from torchtitan_ext.errors import UserError
 
 
 @functools.cache
-def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
+def torchtitan_model(plain_cls: type, plain_config_cls: type, flops_per_token=None) -> type:
     """The torchtitan model class for a plain decoder class and its config dataclass.
 
     The plain config needs `vocab_size` and `max_seq_len`. FLOPs per token (for MFU):
-    `torchtitan_ext.flops.training_flops_per_token`, which counts what runs (a memory's
-    update work, Mela's recursion at patch rate) rather than torchtitan's dense 6N estimate.
+    `flops_per_token(plain config, seq_len)`, the family's count of what runs (a memory's
+    update work, Mela's recursion at patch rate; `Family.flops_per_token`), or torchtitan's
+    dense 6 x parameters where it is None.
     """
 
     class TorchtitanModel(BaseModel, plain_cls):
@@ -49,15 +50,11 @@ def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
                 return self.model.max_seq_len
 
             def update_from_config(self, *, config, **kwargs) -> None:
-                from torchtitan_ext.preflight import check_seq_len
-
                 check_seq_len(config)
 
             def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
-                from torchtitan_ext.flops import training_flops_per_token
-
                 n_params = sum(p.numel() for p in model.parameters())
-                return n_params, training_flops_per_token(self.model, seq_len, n_params)
+                return n_params, flops_per_token(self.model, seq_len) if flops_per_token else 6.0 * n_params
 
         def __init__(self, config):
             plain_cls.__init__(self, config.model)
@@ -70,6 +67,24 @@ def torchtitan_model(plain_cls: type, plain_config_cls: type) -> type:
 
     TorchtitanModel.__name__ = TorchtitanModel.__qualname__ = f"Torchtitan{plain_cls.__name__}"
     return TorchtitanModel
+
+
+def check_seq_len(config) -> None:
+    """UserError unless the trainer config's training.seq_len fits the model: at most its
+    max_seq_len, at least the shortest length whose memory writes reach the loss."""
+    model = config.model_spec.model
+    seq_len = config.training.seq_len
+    if seq_len > model.max_seq_len:
+        raise UserError(
+            f"training.seq_len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}: "
+            f"pass --training.seq_len {model.max_seq_len} or less"
+        )
+    shortest = getattr(getattr(model, "model", None), "min_trainable_seq_len", 1)
+    if seq_len < shortest:
+        raise UserError(
+            f"training.seq_len {seq_len} is too short for the memory's writes to reach the loss "
+            f"(they are read by later chunks only): pass --training.seq_len {shortest} or more"
+        )
 
 
 def plain_model_spec(name: str, flavor: str, model_cls: type, plain_config, state_dict_adapter: type | None = None) -> ModelSpec:

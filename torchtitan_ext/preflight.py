@@ -51,22 +51,6 @@ def parse(argv: list[str]):
         raise UserError(f"{e} (run `bash scripts/train.sh --list` for the config catalogue)") from None
 
 
-def check_seq_len(config) -> None:
-    model = config.model_spec.model
-    seq_len = config.training.seq_len
-    if seq_len > model.max_seq_len:
-        raise UserError(
-            f"training.seq_len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}: "
-            f"pass --training.seq_len {model.max_seq_len} or less"
-        )
-    shortest = getattr(getattr(model, "model", None), "min_trainable_seq_len", 1)
-    if seq_len < shortest:
-        raise UserError(
-            f"training.seq_len {seq_len} is too short for the memory's writes to reach the loss "
-            f"(they are read by later chunks only): pass --training.seq_len {shortest} or more"
-        )
-
-
 def world_size() -> int:
     """Processes of the run: torchrun's WORLD_SIZE (the launcher sets it for its own preflight)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -203,6 +187,8 @@ def check_model_builds(config) -> None:
 def check(config, world: int | None = None, explicit_local_batch: bool = False) -> None:
     """Raise a one-line UserError for the first problem of `config` run on `world` ranks
     (default: `world_size()`)."""
+    from torchtitan_ext.plain_model import check_seq_len
+
     fitted_local_batch(config, world_size() if world is None else world, explicit_local_batch)
     check_seq_len(config)
     check_model_builds(config)

@@ -33,8 +33,27 @@ FLAVORS = {
     "760m": dict(PAPER, dim=1536, n_layers=17, n_heads=24),
 }
 
+def flops_per_token(cfg: TitansConfig, seq_len: int) -> float:
+    """Per token: each block's memory, attention (MAC: keys are the segment's retrieved
+    tokens and inputs plus the persistent tokens; MAG/MAL: the window and the persistent
+    tokens), gate and SwiGLU FFN; the output head."""
+    d, memory = cfg.dim, cfg.memory
+    block = flops.neural_memory(memory) + 3 * flops.linear(d, cfg.ffn_hidden)
+    if cfg.variant == "mac":
+        segment = min(seq_len, cfg.window)
+        retrieve = flops.linear(d, memory.n_heads * memory.head_dim) + 2 * memory.n_heads * memory.head_dim * \
+            memory.conv_kernel + flops.memory_mlp(memory) + flops.linear(memory.n_heads * memory.head_dim, d)
+        retrieve += flops.linear(d, memory.n_heads) if memory.output_gate else 0
+        block += retrieve + 6 * flops.linear(d, d) + flops.attention_span(d, cfg.n_persistent + 2 * segment)
+    elif cfg.variant in ("mag", "mal"):
+        block += 4 * flops.linear(d, d) + flops.attention_span(d, cfg.n_persistent + min(seq_len, cfg.window))
+    if cfg.variant in ("mac", "mag") and cfg.gate == "convex":
+        block += flops.linear(d, d)
+    return flops.TRAIN * (cfg.n_layers * block + flops.linear(d, cfg.vocab_size))
+
+
 FAMILY = Family(name="titans", summary="Titans: neural long-term memory as context (MAC), gate (MAG), layer (MAL), "
                 "or alone (LMM) (arXiv:2501.00663)", flavors=FLAVORS, config_class=TitansConfig, plain_class=TitansLM,
-                variant_field="variant", variants=VARIANTS, flops_per_token=flops.titans,
+                variant_field="variant", variants=VARIANTS, flops_per_token=flops_per_token,
                 diagnostics=memory_diagnostics)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec

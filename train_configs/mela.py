@@ -40,18 +40,6 @@ def mela_1b2() -> Trainer.Config:
     return paper_recipe(model_spec("1b2"), name="mela_1b2", lr=8e-4)
 
 
-def _ablation_config(name: str, fields: dict, doc: str):
-    """A module-level config function `mela_400m_<name>`: the 400m model with `fields`,
-    trained on section 5.3's 1B-token budget."""
-    def config() -> Trainer.Config:
-        return paper_recipe(model_spec("400m", **fields), name=f"mela_400m_{name}", lr=1e-3,
-                            train_tokens=ABLATION_TRAIN_TOKENS)
-
-    config.__name__ = config.__qualname__ = f"mela_400m_{name}"
-    config.__doc__ = f"{doc} ({', '.join(f'{k}={v}' for k, v in fields.items()) or 'the full model'}; 1B tokens)."
-    globals()[config.__name__] = config
-
-
 # Section 5.3 (the 400m model, 1B tokens each). Table 2 sweeps H and L cycles over {1, 2, 4}
 # (the other at 4), Table 3 the H- and L-module depths over {2, 8} blocks, Table 4 removes
 # one component per row. `ablation_base` is the full model at the same budget.
@@ -72,5 +60,110 @@ ABLATIONS = {
     "per_step_chain": (dict(memory_chain="per_step"), "One memory chain per module step of the recursion"),
     "unit_step": (dict(memory_step_scale=1.0), "Eq. 10 as printed: no step size after Newton-Schulz"),
 }
-for _name, (_fields, _doc) in ABLATIONS.items():
-    _ablation_config(_name, _fields, _doc)
+
+
+def _ablation(name: str) -> Trainer.Config:
+    """The 400m model with `ABLATIONS[name]`'s fields on section 5.3's 1B-token budget."""
+    fields, _ = ABLATIONS[name]
+    return paper_recipe(model_spec("400m", **fields), name=f"mela_400m_{name}", lr=1e-3,
+                        train_tokens=ABLATION_TRAIN_TOKENS)
+
+
+def mela_400m_ablation_base() -> Trainer.Config:
+    """Section 5.3 reference: the full model (1B tokens; `ABLATIONS["ablation_base"]`)."""
+    return _ablation("ablation_base")
+
+
+def mela_400m_h_cycles_1() -> Trainer.Config:
+    """Table 2: 1 H cycle (1B tokens; `ABLATIONS["h_cycles_1"]`)."""
+    return _ablation("h_cycles_1")
+
+
+def mela_400m_h_cycles_2() -> Trainer.Config:
+    """Table 2: 2 H cycles (1B tokens; `ABLATIONS["h_cycles_2"]`)."""
+    return _ablation("h_cycles_2")
+
+
+def mela_400m_h_cycles_4() -> Trainer.Config:
+    """Table 2: 4 H cycles (1B tokens; `ABLATIONS["h_cycles_4"]`)."""
+    return _ablation("h_cycles_4")
+
+
+def mela_400m_l_cycles_1() -> Trainer.Config:
+    """Table 2: 1 L cycle (1B tokens; `ABLATIONS["l_cycles_1"]`)."""
+    return _ablation("l_cycles_1")
+
+
+def mela_400m_l_cycles_2() -> Trainer.Config:
+    """Table 2: 2 L cycles (1B tokens; `ABLATIONS["l_cycles_2"]`)."""
+    return _ablation("l_cycles_2")
+
+
+def mela_400m_l_cycles_4() -> Trainer.Config:
+    """Table 2: 4 L cycles (1B tokens; `ABLATIONS["l_cycles_4"]`)."""
+    return _ablation("l_cycles_4")
+
+
+def mela_400m_h_layers_2() -> Trainer.Config:
+    """Table 3: 2 H-module memory blocks (1B tokens; `ABLATIONS["h_layers_2"]`)."""
+    return _ablation("h_layers_2")
+
+
+def mela_400m_h_layers_8() -> Trainer.Config:
+    """Table 3: 8 H-module memory blocks (1B tokens; `ABLATIONS["h_layers_8"]`)."""
+    return _ablation("h_layers_8")
+
+
+def mela_400m_l_layers_2() -> Trainer.Config:
+    """Table 3: 2 L-module memory blocks (1B tokens; `ABLATIONS["l_layers_2"]`)."""
+    return _ablation("l_layers_2")
+
+
+def mela_400m_l_layers_8() -> Trainer.Config:
+    """Table 3: 8 L-module memory blocks (1B tokens; `ABLATIONS["l_layers_8"]`)."""
+    return _ablation("l_layers_8")
+
+
+def mela_400m_no_newton_schulz() -> Trainer.Config:
+    """Table 4: momentum update without Newton-Schulz (1B tokens; `ABLATIONS["no_newton_schulz"]`)."""
+    return _ablation("no_newton_schulz")
+
+
+def mela_400m_no_memstack() -> Trainer.Config:
+    """Table 4: memory tokens only at the input, no MemStack (1B tokens; `ABLATIONS["no_memstack"]`)."""
+    return _ablation("no_memstack")
+
+
+def mela_400m_no_gating() -> Trainer.Config:
+    """Table 4: plain (ungated) attention in the memory blocks (1B tokens; `ABLATIONS["no_gating"]`)."""
+    return _ablation("no_gating")
+
+
+def mela_400m_fusion_h_only() -> Trainer.Config:
+    """Table 4: the h state alone as memory output (1B tokens; `ABLATIONS["fusion_h_only"]`)."""
+    return _ablation("fusion_h_only")
+
+
+def mela_400m_fusion_weighted_sum() -> Trainer.Config:
+    """Table 4: a learned weighted sum of l and h (1B tokens; `ABLATIONS["fusion_weighted_sum"]`)."""
+    return _ablation("fusion_weighted_sum")
+
+
+def mela_400m_no_memory_attention() -> Trainer.Config:
+    """Table 4: memory blocks without attention (1B tokens; `ABLATIONS["no_memory_attention"]`)."""
+    return _ablation("no_memory_attention")
+
+
+def mela_400m_no_neural_memory() -> Trainer.Config:
+    """Table 4: memory blocks without the neural memory (1B tokens; `ABLATIONS["no_neural_memory"]`)."""
+    return _ablation("no_neural_memory")
+
+
+def mela_400m_per_step_chain() -> Trainer.Config:
+    """One memory chain per module step of the recursion (1B tokens; `ABLATIONS["per_step_chain"]`)."""
+    return _ablation("per_step_chain")
+
+
+def mela_400m_unit_step() -> Trainer.Config:
+    """Eq. 10 as printed: no step size after Newton-Schulz (1B tokens; `ABLATIONS["unit_step"]`)."""
+    return _ablation("unit_step")

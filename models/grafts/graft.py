@@ -3,14 +3,12 @@ what trains.
 
 `GraftConfig` lives in the backbone's config (`DecoderLMConfig.graft`); `apply_graft`
 modifies a built `DecoderLM` in place and freezes everything that does not train
-(`requires_grad=False`, so torchtitan's optimizer never holds it). Layer choices (MemoryLlama
-thesis, "Neural memory augmentation for LLMs", section 4; figure 4.2): "all"; "elma" = the
-first two blocks (0, 1; the thesis' appendix B.2 runs ELMA in blocks 1, 2, which its
-`*_thesis` configs pass as the list "1,2"); "alma" = the last two; "gema:k" = every k-th block, counted from the first
-(blocks k-1, 2k-1, ...; the thesis leaves the offset open); or an explicit comma-separated
-list such as "0,5,11". `kind="none"` leaves the backbone exactly as it is. Kinds: "lora" (LoRA on the chosen
-blocks), "memoryllama" (a MemoryLlama memory in the chosen blocks, models/grafts/memory_llama.py,
-with LoRA optional on `lora_layers`, the thesis' recipe being LoRA on every block), "mone"
+(`requires_grad=False`, so torchtitan's optimizer never holds it). Layer choices:
+models/layers/graft_layers.py (the thesis' ALMA / ELMA / GeMA; its appendix B.2 runs ELMA in
+blocks 1, 2, which the `*_thesis` configs pass as the list "1,2"). Kinds, one row each of
+`GRAFT_KINDS`: "none" leaves the backbone exactly as it is; "lora" (LoRA on the chosen
+blocks); "memoryllama" (a MemoryLlama memory in the chosen blocks, models/grafts/memory_llama.py,
+with LoRA optional on `lora_layers`, the thesis' recipe being LoRA on every block); "mone"
 (MoNe's memory in the chosen blocks, models/grafts/mone.py; its recipe: every block, LoRA
 `MONE_LORA` on W_q, W_k, W_v).
 """
@@ -18,16 +16,49 @@ with LoRA optional on `lora_layers`, the thesis' recipe being LoRA on every bloc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 from models.grafts.lora import apply_lora, LoRAConfig, LoRALinear
 from models.grafts.memory_llama import MemoryLlamaBlock, MemoryLlamaConfig
 from models.grafts.mone import MoNeBlock, MoNeConfig
+from models.layers.graft_layers import graft_layers
 
-KINDS = ("none", "lora", "memoryllama", "mone")
-MEMORY_CONFIGS = {"memoryllama": MemoryLlamaConfig, "mone": MoNeConfig}
-MEMORY_BLOCKS = (MemoryLlamaBlock, MoNeBlock)
+
+@runtime_checkable
+class GraftBlock(Protocol):
+    """A decoder block with a memory grafted in. It keeps the backbone block's submodules
+    under their names (checkpoints and LoRA targets unchanged) and names every weight it adds
+    `memory*`: `graft_parameters` is exactly those, what trains under `train="graft"`."""
+
+    last_stats: dict[str, torch.Tensor]  # the last forward's diagnostics (`graft_diagnostics`)
+
+    def graft_parameters(self) -> list[nn.Parameter]: ...
+
+    def reset_graft(self) -> None: ...
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, cache): ...  # streaming: (output, cache)
+
+
+@dataclass(frozen=True)
+class GraftKind:
+    """One row of the graft table: the memory's config class (None: no memory) and the
+    function that wraps a backbone block of width `dim` into a `GraftBlock`."""
+
+    memory_config: type | None = None
+    graft_block: Callable[[nn.Module, int, object], GraftBlock] | None = None
+
+
+# Adding a kind = a module with its config and block, and one line here.
+GRAFT_KINDS = {
+    "none": GraftKind(),
+    "lora": GraftKind(),  # LoRA alone (`GraftConfig.lora`)
+    "memoryllama": GraftKind(MemoryLlamaConfig, MemoryLlamaBlock),
+    "mone": GraftKind(MoNeConfig, lambda block, dim, cfg: MoNeBlock(block, cfg)),
+}
+KINDS = tuple(GRAFT_KINDS)
 TRAINS = ("graft", "all")
 
 
@@ -43,9 +74,9 @@ class GraftConfig:
     def __post_init__(self):
         if isinstance(self.lora, dict):
             self.lora = LoRAConfig(**self.lora)
-        if self.kind not in KINDS:
+        if self.kind not in GRAFT_KINDS:
             raise ValueError(f"graft kind '{self.kind}' unknown: choose one of {KINDS}")
-        memory_config = MEMORY_CONFIGS.get(self.kind)
+        memory_config = GRAFT_KINDS[self.kind].memory_config
         if isinstance(self.memory, dict) and memory_config is not None:
             self.memory = memory_config(**self.memory)
         if self.train not in TRAINS:
@@ -57,31 +88,7 @@ class GraftConfig:
         if self.memory is not None and not isinstance(self.memory, memory_config or ()):
             raise ValueError(f"graft kind '{self.kind}' takes {memory_config.__name__ if memory_config else 'no memory'} "
                              f"config, got {type(self.memory).__name__}: set kind to its memory "
-                             f"({', '.join(MEMORY_CONFIGS)})")
-
-
-def graft_layers(spec: str, n_layers: int) -> list[int]:
-    """The block indices a layer spec names in a backbone of `n_layers` blocks; ValueError
-    naming the spec when it names none or one out of range."""
-    if spec == "all":
-        return list(range(n_layers))
-    if spec in ("alma", "elma"):
-        if n_layers < 2:
-            raise ValueError(f"graft layers '{spec}' needs 2 blocks; the backbone has {n_layers}")
-        return [n_layers - 2, n_layers - 1] if spec == "alma" else [0, 1]
-    if spec.startswith("gema:"):
-        k = int(spec.removeprefix("gema:"))
-        if not 1 <= k <= n_layers:
-            raise ValueError(f"graft layers '{spec}': k must be in 1..{n_layers}")
-        return list(range(k - 1, n_layers, k))
-    try:
-        layers = sorted({int(i) for i in spec.split(",")})
-    except ValueError:
-        raise ValueError(f"graft layers '{spec}' unknown: all, alma, elma, gema:<k> or a list like 0,5,11") from None
-    if layers[0] < 0 or layers[-1] >= n_layers:
-        raise ValueError(f"graft layer {layers[-1] if layers[-1] >= n_layers else layers[0]} is out of range: "
-                         f"the backbone has blocks 0..{n_layers - 1}")
-    return layers
+                             f"({', '.join(k for k, row in GRAFT_KINDS.items() if row.memory_config)})")
 
 
 def apply_graft(model: nn.Module, cfg: GraftConfig) -> None:
@@ -92,12 +99,10 @@ def apply_graft(model: nn.Module, cfg: GraftConfig) -> None:
     n_layers = len(model.layers)
     if cfg.lora is not None:
         apply_lora([model.layers[str(i)] for i in graft_layers(cfg.lora_layers or cfg.layers, n_layers)], cfg.lora)
-    if cfg.kind == "memoryllama":
+    graft_block = GRAFT_KINDS[cfg.kind].graft_block
+    if graft_block is not None:
         for i in graft_layers(cfg.layers, n_layers):
-            model.layers[str(i)] = MemoryLlamaBlock(model.layers[str(i)], model.cfg.dim, cfg.memory)
-    if cfg.kind == "mone":
-        for i in graft_layers(cfg.layers, n_layers):
-            model.layers[str(i)] = MoNeBlock(model.layers[str(i)], cfg.memory)
+            model.layers[str(i)] = graft_block(model.layers[str(i)], model.cfg.dim, cfg.memory)
     if cfg.train == "graft":
         added = {id(p) for p in graft_parameters(model)}
         for parameter in model.parameters():
@@ -110,7 +115,7 @@ def graft_parameters(model: nn.Module) -> list[nn.Parameter]:
     for module in model.modules():
         if isinstance(module, LoRALinear):
             added += [*module.lora_A.parameters(), *module.lora_B.parameters()]
-        elif isinstance(module, MEMORY_BLOCKS):
+        elif isinstance(module, GraftBlock):
             added += module.graft_parameters()
     return added
 
@@ -120,7 +125,7 @@ def reset_grafts(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, LoRALinear):
             module.reset_lora()
-        elif isinstance(module, MEMORY_BLOCKS):
+        elif isinstance(module, GraftBlock):
             module.reset_graft()
 
 
@@ -128,7 +133,7 @@ def graft_diagnostics(model: nn.Module) -> dict[str, float]:
     """`memory/layer<i>/...`: every memory block's `last_stats` of its last forward (through wrappers)."""
     metrics = {}
     for name, block in model.named_modules():
-        if isinstance(block, MEMORY_BLOCKS) and block.last_stats:
+        if isinstance(block, GraftBlock) and block.last_stats:
             layer = f"memory/layer{name.split('layers.')[-1].split('.')[0]}"
             metrics |= {f"{layer}/{k}": float(v) for k, v in block.last_stats.items()}
     return metrics

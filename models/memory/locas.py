@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.grafts.graft import graft_layers
+from models.layers.graft_layers import graft_layers
 from models.layers.ffn import SwiGLU
 from models.memory.nl_svd import compress_if_full
 
@@ -67,7 +67,7 @@ TOKEN_GRADIENT_BATCH = 64  # tokens whose per-token gradients one batched backwa
 class LocasConfig:
     variant: str = "glu"  # "glu" (SwiGLU FFNs: Llama / Qwen3) | "mlp" (two-layer FFNs: the MLP-FFN LM)
     rank: int = 64  # r: the memory's width (Locas-MLP + NL-SVD: compressed to r from 2r)
-    layers: str = "all"  # which blocks get a memory (models/grafts/graft.py's layer specs)
+    layers: str = "all"  # which blocks get a memory (models/layers/graft_layers.py's specs)
     init: str = "topk"  # Locas-GLU: one of GLU_INITS (Table 2)
     update: str = "bp"  # Locas-MLP: "bp" | "nlsvd"
     value_scale: float = 1.0  # Locas-MLP: eps of the value init (section 2.3)

@@ -1,1 +1,4 @@
-"""Evaluation library shared by scripts/ (statistics first; the rest moves here with issue 25)."""
+"""Evaluation library (the protocols, their tables and plots); scripts/eval_*.py are its command
+lines: `stats` (bootstrap intervals, seeds), `long_ppl` (perplexity against context length),
+`whole_book` (whole-book test-time training), `tasks` (synthetic memory tasks, GradMem's
+KV-retrieval), `babilong` (BABILong)."""
