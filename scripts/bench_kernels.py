@@ -18,7 +18,7 @@ import torch
 
 
 from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, memory_update, newton_schulz
-from torchtitan_ext.cpu import measured_matmul_flops
+from torchtitan_ext.training.cpu import measured_matmul_flops
 
 BATCH, STEPS = (4, 4), 5
 SHAPES = [(64, 256), (256, 64)]

@@ -36,8 +36,8 @@ import torch._inductor.config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
-from torchtitan_ext import titans
-from torchtitan_ext.cpu import measured_matmul_flops
+from torchtitan_ext.families import titans
+from torchtitan_ext.training.cpu import measured_matmul_flops
 
 B, T, DIM, HEADS, HEAD_DIM, EXPANSION = 4, 2048, 256, 4, 64, 4
 FLAVOR_LENGTH = 1024  # tokens per sequence of the bytes measurement at the paper flavors' shapes
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.exit(2, f"error: unknown part(s) {unknown}: choose from {PARTS}\n")
-    torch.set_flush_denormal(True)  # as the CPU training path does (torchtitan_ext/cpu.py)
+    torch.set_flush_denormal(True)  # as the CPU training path does (torchtitan_ext/training/cpu.py)
     torch.manual_seed(0)
     reports = {"speed": speed, "bytes": bytes_report, "ops": ops_report}
     lengths = {"speed": dict(length=QUICK_LENGTH), "bytes": dict(flavor_length=QUICK_LENGTH, length=QUICK_LENGTH)}

@@ -24,8 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models.backbones.decoder_lm import DecoderLM
 from models.grafts.graft import GraftConfig
-from torchtitan_ext.backbone import FAMILY
-from torchtitan_ext.cpu import measured_matmul_flops
+from torchtitan_ext.families.backbone import FAMILY
+from torchtitan_ext.training.cpu import measured_matmul_flops
 from torchtitan_ext.flops import CPU_ATTENTION_FLOPS
 
 QUERY = 32

@@ -25,7 +25,7 @@ def measure(mode: str, length: int) -> dict:
     import torch
 
     from models.lms.mela import Mela
-    from torchtitan_ext.mela import model_config
+    from torchtitan_ext.families.mela import model_config
 
     torch.manual_seed(0)
     model = Mela(model_config("debug")).eval()

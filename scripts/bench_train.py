@@ -19,9 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from torchtitan_ext.cpu import measured_matmul_flops
+from torchtitan_ext.training.cpu import measured_matmul_flops
 from torchtitan_ext.families import family_of_config_function
-from torchtitan_ext.run_log import parse_steps
+from torchtitan_ext.training.run_log import parse_steps
 
 
 def run(config: str, steps: int, compiled: bool) -> list[tuple[int, float, float]]:

@@ -7,7 +7,7 @@ Idempotent: returns at once when the model is already cached. Usage:
 import argparse
 from pathlib import Path
 
-from torchtitan_ext.default_tokenizer import VOCAB_SIZE, build
+from torchtitan_ext.data.default_tokenizer import VOCAB_SIZE, build
 from torchtitan_ext.paths import default_tokenizer_dir
 
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 
-from torchtitan_ext.checkpoints import model_from_checkpoint
+from torchtitan_ext.training.checkpoints import model_from_checkpoint
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.hf_export import export
 

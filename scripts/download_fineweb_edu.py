@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchtitan_ext.datasets import FINEWEB_EDU_DEFAULT_SUBSET, FINEWEB_EDU_REPO
+from torchtitan_ext.data.datasets import FINEWEB_EDU_DEFAULT_SUBSET, FINEWEB_EDU_REPO
 
 
 def subset_folder(subset: str) -> str:

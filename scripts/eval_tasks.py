@@ -20,8 +20,8 @@ from pathlib import Path
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import babilong, tasks
 from torchtitan_ext.paths import write_results
-from torchtitan_ext.synthetic_tasks import HAYSTACKS, TASKS
-from torchtitan_ext.task_data import QUESTIONS
+from torchtitan_ext.data.synthetic_tasks import HAYSTACKS, TASKS
+from torchtitan_ext.data.task_data import QUESTIONS
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.paths import default_tokenizer_dir
-from torchtitan_ext.run_log import last_line, parse_steps
+from torchtitan_ext.training.run_log import last_line, parse_steps
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH = 256, 128
@@ -87,7 +87,7 @@ def build_family(family: str) -> tuple[torch.nn.Module, callable]:
     if family == "transformer":
         from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
-        from torchtitan_ext import transformer
+        from torchtitan_ext.families import transformer
 
         model = transformer.model_config("debug").build()
         model.init_weights(buffer_device=None)

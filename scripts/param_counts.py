@@ -6,8 +6,7 @@
 import torch
 
 from models.lms.mela import Mela, parameter_groups
-from torchtitan_ext import mela
-from torchtitan_ext.families import families
+from torchtitan_ext.families import families, mela
 
 
 def param_count(family: str, flavor: str, **overrides) -> int:

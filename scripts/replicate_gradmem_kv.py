@@ -11,7 +11,7 @@ of docs/benchmarks.md "GradMem":
 
 Each method (WRITE kind : training K [: alpha [: meta-gradient]]; meta-gradient "second" by
 default, "first" for Table 1's "w/o meta-learning", models/memory/gradmem.py) trains from scratch on `--flavor`
-(torchtitan_ext/gradmem.py) through a curriculum over the number of pairs (each stage starts
+(torchtitan_ext/families/gradmem.py) through a curriculum over the number of pairs (each stage starts
 from the previous stage's weights, as the paper's appendix C; with `--replay` a stage draws
 each sample's pair count from all the stages so far, so the short contexts are not
 forgotten), with the family's outer loss (read cross-entropy on the answer + `--write-weight`
@@ -57,7 +57,7 @@ def parse_methods(text: str) -> list[tuple[str, int, float | None, str]]:
 
 def batches(tokenizer, pairs: tuple[int, ...], batch: int, seed: int):
     """(tokens, positions, labels) of `batch` training rows, each with a pair count drawn from `pairs`, forever."""
-    from torchtitan_ext.task_data import TaskDataset
+    from torchtitan_ext.data.task_data import TaskDataset
     from train_configs.gradmem import kv_row
 
     dataset = TaskDataset(["kv_retrieval"], tokenizer, kv_row(max(pairs)), seed, False, True, 0, 0, 1,
@@ -70,7 +70,7 @@ def batches(tokenizer, pairs: tuple[int, ...], batch: int, seed: int):
 
 
 def train(args, write: str, k: int, alpha: float, meta_gradient: str, seed: int, tokenizer, log) -> torch.nn.Module:
-    from torchtitan_ext.gradmem import model_config, weighted_write_loss
+    from torchtitan_ext.families.gradmem import model_config, weighted_write_loss
     from models.lms.gradmem import GradMemLM
 
     torch.manual_seed(seed)
@@ -104,10 +104,10 @@ def train(args, write: str, k: int, alpha: float, meta_gradient: str, seed: int,
 
 def main(argv: list[str] | None = None) -> None:
     from torchtitan_ext.eval.tasks import gradmem_markdown, gradmem_plot
-    from torchtitan_ext.gradmem import kv_cell, pool_cells, WRITE_LOSS_WEIGHT
-    from torchtitan_ext.kv_tokenizer import build
+    from torchtitan_ext.families.gradmem import kv_cell, pool_cells, WRITE_LOSS_WEIGHT
+    from torchtitan_ext.data.kv_tokenizer import build
     from torchtitan_ext.paths import write_results
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)

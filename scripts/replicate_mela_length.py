@@ -61,7 +61,7 @@ class Variant:
 def mela_variant(name: str, **fields) -> Variant:
     def build(seed: int):
         from models.lms.mela import Mela
-        from torchtitan_ext.mela import model_config
+        from torchtitan_ext.families.mela import model_config
 
         torch.manual_seed(seed)
         return Mela(model_config("debug", **fields)), lambda model, tokens: model(tokens)
@@ -73,7 +73,7 @@ def transformer_variant(name: str, chunk_local: bool) -> Variant:
     def build(seed: int):
         from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
-        from torchtitan_ext.transformer import model_config
+        from torchtitan_ext.families.transformer import model_config
 
         torch.manual_seed(seed)
         model = model_config("small", "cpu").build()
@@ -104,9 +104,9 @@ VARIANTS = [
 def load_corpus(min_eval_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(training token stream, held-out documents): every other document with at least
     `min_eval_tokens` tokens is held out, cut to that length."""
-    from torchtitan_ext import default_tokenizer
-    from torchtitan_ext.embedded_corpus import embedded_documents
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.data import default_tokenizer
+    from torchtitan_ext.data.embedded_corpus import embedded_documents
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(default_tokenizer.build().parent))
     train, held_out, long_docs = [], [], 0

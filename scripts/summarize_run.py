@@ -7,7 +7,7 @@ Exit 1 (and the log's last line) when the log holds no training step.
 import sys
 from pathlib import Path
 
-from torchtitan_ext.run_log import last_line, parse_steps
+from torchtitan_ext.training.run_log import last_line, parse_steps
 
 
 def summary(name: str, log: Path, dump: Path) -> str:

@@ -12,7 +12,7 @@
 #   LOG_DIR         per-rank stdout/stderr logs [outputs/logs/<date-time>-<pid>]
 #   WANDB_MODE      [offline unless WANDB_API_KEY is set]
 #   SKIP_SETUP=1    skip `scripts/setup.sh` (e.g. on cluster nodes sharing one checkout)
-# Without an accelerator the run uses gloo and the CPU support in torchtitan_ext/cpu.py.
+# Without an accelerator the run uses gloo and the CPU support in torchtitan_ext/training/cpu.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
@@ -30,7 +30,7 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 NNODES=${NNODES:-1}
 # Bad input ends here with one line and exit code 2, before torchrun starts.
-WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) "$PY" -m torchtitan_ext.preflight "$@"
+WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) "$PY" -m torchtitan_ext.training.preflight "$@"
 LOG_DIR=${LOG_DIR:-outputs/logs/$(date +%Y%m%d-%H%M%S)-$$}
 mkdir -p "$LOG_DIR"
 
@@ -43,4 +43,4 @@ fi
 echo "train: $NNODES node(s) x $NPROC_PER_NODE process(es); per-rank logs in $LOG_DIR" >&2
 exec .venv/bin/torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
   --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter 0 \
-  -m torchtitan_ext.train "$@"
+  -m torchtitan_ext.training.train "$@"

@@ -20,10 +20,10 @@ if not torch.cuda.is_available():
 
 REPO = Path(__file__).resolve().parents[1]
 
-from torchtitan_ext.default_tokenizer import build  # noqa: E402
+from torchtitan_ext.data.default_tokenizer import build  # noqa: E402
 
 from torchtitan_ext.paths import default_tokenizer_dir  # noqa: E402
-from torchtitan_ext.run_log import parse_steps  # noqa: E402
+from torchtitan_ext.training.run_log import parse_steps  # noqa: E402
 
 
 @functools.cache

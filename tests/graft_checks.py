@@ -18,8 +18,8 @@ def trained_from_hf(config: str, step, hf_folder, module: str = CONFIG_MODULE):
     (graft) tensors, LoRA factors and `memory*`."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from torchtitan_ext.backbone import load_hf_backbone
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+    from torchtitan_ext.families.backbone import load_hf_backbone
+    from torchtitan_ext.training.checkpoints import build_model, load_dcp_model
 
     model, _ = build_model(module, config)
     load_dcp_model(model, step)
@@ -66,7 +66,7 @@ def assert_seeded_runs_agree(config: str, tmp_path, short: list[str]):
     unchanged and every graft tensor moved in the 1- and 2-process checkpoints. Returns the
     1-process run and its folder."""
     from conftest import train
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+    from torchtitan_ext.training.checkpoints import build_model, load_dcp_model
 
     args = ["--module", CONFIG_MODULE, "--config", config] + short
     one, two, full = tmp_path / "one", tmp_path / "two", tmp_path / "full"

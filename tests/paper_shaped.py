@@ -3,7 +3,7 @@ the debug Mela model; the test passes the smaller batch, context and data on the
 
 from torchtitan.trainer import Trainer
 
-from torchtitan_ext.mela import model_spec
+from torchtitan_ext.families.mela import model_spec
 from train_configs.recipe import paper_recipe
 
 

@@ -9,7 +9,7 @@ import torch
 from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
 from models.layers.attention import _flex_document_attention, document_causal_attention, document_ids
-from torchtitan_ext.attention import DocumentCausalSDPA
+from torchtitan_ext.training.llama3_cpu_attention import DocumentCausalSDPA
 
 
 def reference_attention(q, k, v, positions):
@@ -75,7 +75,7 @@ def test_torchtitan_cpu_attention_matches_reference():
 def test_backend_choice_follows_device_and_flash_attn(monkeypatch):
     import importlib.util
 
-    from torchtitan_ext.attention import auto_attention_backend
+    from torchtitan_ext.training.llama3_cpu_attention import auto_attention_backend
 
     assert auto_attention_backend(accelerator=False) == "cpu"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)

@@ -14,12 +14,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import load_script
-from torchtitan_ext.checkpoints import build_model
+from torchtitan_ext.training.checkpoints import build_model
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import babilong, tasks
 from torchtitan_ext.eval.long_ppl import Entry
 from torchtitan_ext.paths import default_tokenizer_dir
-from torchtitan_ext.tokenizer import AssetsTokenizer
+from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
 
 @pytest.fixture(scope="module")

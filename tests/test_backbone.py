@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
-from torchtitan_ext.backbone import from_hf_keys, load_hf_backbone, to_hf_keys
+from torchtitan_ext.families.backbone import from_hf_keys, load_hf_backbone, to_hf_keys
 from torchtitan_ext.errors import UserError
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -80,7 +80,7 @@ def test_the_pretrained_flavors_read_their_public_config_files():
     """config.json as the Hub has them (Llama 3.2: rope_scaling beside rope_theta; Qwen3) and as
     transformers 5 writes them (rope_parameters) give the flavors' configs."""
     from models.backbones.decoder_lm import config_from_hf
-    from torchtitan_ext.backbone import check_matches, FAMILY, hf_config
+    from torchtitan_ext.families.backbone import check_matches, FAMILY, hf_config
 
     llama = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
              "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
@@ -152,7 +152,7 @@ def test_backbone_equals_torchtitans_llama3_on_the_same_hf_weights(tmp_path):
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     from torchtitan_ext.hf_export import load_safetensors
-    from torchtitan_ext.transformer import llama3_config, Shape
+    from torchtitan_ext.families.transformer import llama3_config, Shape
 
     hf_checkpoint("llama_gqa_untied", tmp_path)
     ours = load_hf_backbone(tmp_path).eval()
@@ -176,7 +176,7 @@ PUBLISHED = {"llama3_2_1b": (1.23e9, None), "qwen2_5_0_5b": (0.49e9, 0.36e9), "q
 
 @pytest.mark.parametrize("flavor", sorted(PUBLISHED))
 def test_pretrained_flavors_have_the_published_sizes(flavor):
-    from torchtitan_ext.backbone import FAMILY
+    from torchtitan_ext.families.backbone import FAMILY
 
     with torch.device("meta"):
         model = DecoderLM(FAMILY.config(flavor))
@@ -193,7 +193,7 @@ def debug_checkpoint(folder, flavor: str, perturb: bool = False, **changes):
     saved to `folder`."""
     import transformers
 
-    from torchtitan_ext.backbone import FAMILY
+    from torchtitan_ext.families.backbone import FAMILY
 
     c = FAMILY.config(flavor)
     config_cls, model_cls = (getattr(transformers, name) for name in ARCHITECTURE_CLASSES[c.architecture])
@@ -223,7 +223,7 @@ def test_training_starts_from_a_hugging_face_checkpoint(tokenizer_dir, tmp_path)
     learning rate 0 the step-2 checkpoint holds the file's tensors bit for bit; at the debug
     learning rate 20 steps lower the loss."""
     from conftest import train
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+    from torchtitan_ext.training.checkpoints import build_model, load_dcp_model
 
     qwen3_debug_checkpoint(tmp_path / "hf")
     frozen = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--optimizer.param-groups.0.optimizer-kwargs.lr", "0",
@@ -261,7 +261,7 @@ def test_backbone_equals_torchtitans_qwen3_on_the_same_hf_weights(tmp_path):
     from torchtitan.models.qwen3 import _build_qwen3_layers, _qwen3_norm, Qwen3Model
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-    from torchtitan_ext.attention import use_cpu_attention
+    from torchtitan_ext.training.llama3_cpu_attention import use_cpu_attention
     from torchtitan_ext.hf_export import load_safetensors
 
     hf_checkpoint("qwen3_head_dim_32_tied", tmp_path)
@@ -296,9 +296,9 @@ def test_qwen2_exports_as_transformers_qwen2_and_reads_back(tied, tokenizer_dir,
     does through LlamaTokenizer (transformers' AutoTokenizer forces Qwen2's own on a qwen2 folder)."""
     from transformers import AutoModelForCausalLM, LlamaTokenizer
 
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
-    from torchtitan_ext.backbone import FAMILY
+    from torchtitan_ext.families.backbone import FAMILY
     from torchtitan_ext.hf_export import export
     from train_configs.backbone import backbone_qwen2_debug
 
@@ -330,7 +330,7 @@ def test_lora_and_mone_on_qwen2_keep_the_qkv_biases_frozen_and_in_use():
     from models.grafts.graft import GraftConfig
     from models.grafts.lora import LoRALinear
     from models.grafts.mone import MONE_LORA
-    from torchtitan_ext.backbone import FAMILY
+    from torchtitan_ext.families.backbone import FAMILY
 
     graft = GraftConfig(kind="mone", layers="all", memory={"segment": 16}, lora=MONE_LORA)
     torch.manual_seed(0)
@@ -386,12 +386,12 @@ def test_mone_qwen2_5_0_5b_fits_the_papers_widths_on_the_meta_device():
 def test_a_qwen2_folder_of_the_wrong_shape_is_one_line_and_exit_2(case, tokenizer_dir, tmp_path, capsys):
     """An initial load from a Qwen2 folder whose config.json is the flavor's but one weight has
     another width, or whose hidden size is not the flavor's, stops at train.sh's preflight
-    (`python -m torchtitan_ext.preflight <train args>`, run here in-process) with one line and
+    (`python -m torchtitan_ext.training.preflight <train args>`, run here in-process) with one line and
     exit 2; load_hf_backbone raises the same error."""
     from safetensors.torch import load_file, save_file
 
-    from torchtitan_ext import preflight
-    from torchtitan_ext.backbone import FAMILY
+    from torchtitan_ext.training import preflight
+    from torchtitan_ext.families.backbone import FAMILY
 
     folder = tmp_path / "hf"
     if case == "weight":
@@ -424,7 +424,7 @@ def test_a_qwen2_folder_trains_exports_and_reloads_in_transformers(tokenizer_dir
 
     from conftest import train
     from test_hf import run_script
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+    from torchtitan_ext.training.checkpoints import build_model, load_dcp_model
 
     debug_checkpoint(tmp_path / "hf", "qwen2_debug", perturb=True)
     run = train(QWEN2_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "4",

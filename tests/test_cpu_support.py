@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
-from torchtitan_ext import cpu
+from torchtitan_ext.training import cpu
 
 
 def test_nothing_is_patched_when_an_accelerator_is_present(monkeypatch):

@@ -12,10 +12,10 @@ import pytest
 
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 
-import torchtitan_ext.datasets as datasets
-from torchtitan_ext.dataloader import SequenceShardedTextDataset
+import torchtitan_ext.data.datasets as datasets
+from torchtitan_ext.data.dataloader import SequenceShardedTextDataset
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.tokenizer import AssetsTokenizer
+from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
 SEQ_LEN = 64
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import REPO
-from torchtitan_ext.checkpoints import build_model, causal_logits
+from torchtitan_ext.training.checkpoints import build_model, causal_logits
 from torchtitan_ext.eval.long_ppl import Entry, token_nll, window_nll
 
 MELA = "train_configs.mela:mela_debug"
@@ -122,7 +122,7 @@ def test_bad_input_one_line_exit_2_nothing_written(case, message, checkpoints, l
 
 
 def test_a_hugging_face_export_evaluates_exactly_as_its_dcp_checkpoint(checkpoints, long_docs, tmp_path):
-    from torchtitan_ext.checkpoints import model_from_checkpoint
+    from torchtitan_ext.training.checkpoints import model_from_checkpoint
     from torchtitan_ext.hf_export import export
 
     model, trainer_config = model_from_checkpoint(*MELA.split(":"), checkpoints[MELA])
@@ -139,7 +139,7 @@ def test_a_hugging_face_export_evaluates_exactly_as_its_dcp_checkpoint(checkpoin
 def test_local_evaluation_reads_only_documents_training_never_reads(tmp_path):
     """The held-out split of a local dataset is the validation hash split: disjoint from the
     documents the `local` training dataset yields, and what the results name."""
-    from torchtitan_ext import datasets
+    from torchtitan_ext.data import datasets
     from torchtitan_ext.eval.long_ppl import dataset_split, documents
 
     path = tmp_path / "docs.jsonl"

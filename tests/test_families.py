@@ -14,7 +14,7 @@ from test_hf import load_without_project, run_script
 from toy_family import TOY
 from toy_model import ToyLM
 from torchtitan_ext.catalogue import config_functions
-from torchtitan_ext.checkpoints import build_model, causal_logits
+from torchtitan_ext.training.checkpoints import build_model, causal_logits
 from torchtitan_ext.families import families, family_of_config_function, family_of_spec, register, unregister
 
 

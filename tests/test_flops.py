@@ -1,4 +1,4 @@
-"""The FLOP counts behind the logged MFU (each family's `flops_per_token` in torchtitan_ext/<family>.py,
+"""The FLOP counts behind the logged MFU (each family's `flops_per_token` in torchtitan_ext/families/<family>.py,
 on the primitives of torchtitan_ext/flops.py) agree with torch's
 FlopCounterMode over one training step (forward + backward) of each debug model, within 10%
 (GradMem's second-order step too).
@@ -24,8 +24,8 @@ from models.backbones.decoder_lm import DecoderLM
 from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
 from models.grafts.memory_llama import THESIS_MEMORY
-from torchtitan_ext import backbone, flops, gradmem, mela, titans
-from torchtitan_ext.families import families, training_flops_per_token
+from torchtitan_ext import flops
+from torchtitan_ext.families import backbone, families, gradmem, mela, titans, training_flops_per_token
 
 # seq_len per family: Titans at its window (64 = 4 memory chunks of 16), Mela at 4 decoder
 # chunks of P * C = 64, the MLP-FFN LM at 128. GradMem's rows are [context | read]: its own test below.

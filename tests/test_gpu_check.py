@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import load_script, REPO
-from torchtitan_ext.run_log import last_line, parse_steps
+from torchtitan_ext.training.run_log import last_line, parse_steps
 
 gpu_check = load_script("gpu_check")
 

@@ -1,4 +1,4 @@
-"""GradMem (models/memory/gradmem.py, models/lms/gradmem.py, torchtitan_ext/gradmem.py): the
+"""GradMem (models/memory/gradmem.py, models/lms/gradmem.py, torchtitan_ext/families/gradmem.py): the
 second-order meta-gradient against finite differences and a plain per-sample reference
 (float64), the first-order one against the reference with the inner gradient detached, batch
 independence, the write lowering its loss, the read never seeing the context, causality, the
@@ -20,8 +20,8 @@ from torch.nn.attention import sdpa_kernel, SDPBackend
 from conftest import load_script, REPO, train
 from models.lms.gradmem import GradMemLM, GradMemLMConfig
 from models.memory.gradmem import GradMemConfig, gradmem_diagnostics
-from torchtitan_ext.gradmem import exact_match, weighted_write_loss
-from torchtitan_ext.synthetic_tasks import kv_pairs
+from torchtitan_ext.families.gradmem import exact_match, weighted_write_loss
+from torchtitan_ext.data.synthetic_tasks import kv_pairs
 
 VOCAB, N, R = 24, 11, 6  # context and read lengths of the test rows
 
@@ -259,10 +259,10 @@ def test_exact_match_scores_the_models_own_greedy_answers_from_the_memory():
     K set in the config): samples whose gold value is the model's own answer score 1, the
     others 0. The model is scrambled (weights N(0, 0.3), alpha 5) so its answers depend on the
     context."""
-    from torchtitan_ext.gradmem import model_config
-    from torchtitan_ext.kv_tokenizer import build
-    from torchtitan_ext.synthetic_tasks import Sample
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.families.gradmem import model_config
+    from torchtitan_ext.data.kv_tokenizer import build
+    from torchtitan_ext.data.synthetic_tasks import Sample
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
     tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=str(build()))
     torch.manual_seed(0)
@@ -293,7 +293,7 @@ def test_exact_match_scores_the_models_own_greedy_answers_from_the_memory():
     assert exact_match(model, tokenizer, samples, steps=3) == expected
 
 
-PREFLIGHT = [sys.executable, "-m", "torchtitan_ext.preflight", "--module", "train_configs.gradmem", "--config",
+PREFLIGHT = [sys.executable, "-m", "torchtitan_ext.training.preflight", "--module", "train_configs.gradmem", "--config",
              "gradmem_kv_debug"]
 
 
@@ -389,7 +389,7 @@ def test_the_paper_configs_take_table_1s_largest_rows(config):
     (4 layers, dim 128, K = 2 / the forward write) writes and reads such rows forward and
     backward on the meta device."""
     from train_configs.gradmem import kv_row
-    from torchtitan_ext.gradmem import model_config
+    from torchtitan_ext.families.gradmem import model_config
 
     stage = ["--dataloader.pairs", "96", "--validator.dataloader.pairs", "96", "--training.seq_len", str(kv_row(96))]
     proc = subprocess.run(PREFLIGHT[:-1] + [config] + stage, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -413,9 +413,9 @@ def test_the_transformer_baseline_reads_the_context_with_full_attention_and_trai
     attends to it), and 30 AdamW steps on its 4-pair rows lower the answer loss. Its preflight
     passes at Table 1's largest stage (96 pairs)."""
     from models.backbones.decoder_lm import DecoderLM
-    from torchtitan_ext.kv_tokenizer import build
-    from torchtitan_ext.task_data import TaskDataset
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.data.kv_tokenizer import build
+    from torchtitan_ext.data.task_data import TaskDataset
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
     from train_configs.gradmem import gradmem_kv_transformer, kv_row
 
     config = gradmem_kv_transformer()

@@ -7,7 +7,7 @@ import torch
 
 from models.grafts.lora import apply_lora, LoRAConfig, LoRALinear, merge_lora, TARGETS
 from test_backbone import hf_checkpoint
-from torchtitan_ext.backbone import load_hf_backbone
+from torchtitan_ext.families.backbone import load_hf_backbone
 
 HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -101,7 +101,7 @@ def test_a_lora_finetune_from_hugging_face_keeps_the_backbone_and_exports_merged
     from conftest import train
     from test_backbone import qwen3_debug_checkpoint
     from test_hf import load_without_project, run_script
-    from torchtitan_ext.checkpoints import build_model, load_dcp_model
+    from torchtitan_ext.training.checkpoints import build_model, load_dcp_model
 
     qwen3_debug_checkpoint(tmp_path / "hf")
     config = ["--module", "train_configs.backbone", "--config", "backbone_qwen3_debug_lora"]
@@ -156,7 +156,7 @@ def test_a_new_graft_kind_is_one_table_row(monkeypatch):
     swap, freezing, init and diagnostics follow from the row."""
     from models.backbones.decoder_lm import DecoderLM
     from models.grafts import graft
-    from torchtitan_ext.backbone import model_config
+    from torchtitan_ext.families.backbone import model_config
 
     monkeypatch.setitem(graft.GRAFT_KINDS, "toy", graft.GraftKind(graft_block=ToyGraftBlock))
     model = DecoderLM(model_config("qwen3_debug", graft=graft.GraftConfig(kind="toy", layers="alma")))

@@ -17,9 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import load_script, train
-from torchtitan_ext.checkpoints import build_model, causal_logits, load_dcp_model
-from torchtitan_ext.tokenizer import AssetsTokenizer
-from torchtitan_ext.transformer import FAMILY as TRANSFORMER
+from torchtitan_ext.training.checkpoints import build_model, causal_logits, load_dcp_model
+from torchtitan_ext.data.tokenizer import AssetsTokenizer
+from torchtitan_ext.families.transformer import FAMILY as TRANSFORMER
 
 FAMILIES = {
     "transformer": "train_configs.transformer:transformer_small",

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from test_hf import native, run_script
-from torchtitan_ext.checkpoints import causal_logits
-from torchtitan_ext.tokenizer import AssetsTokenizer
+from torchtitan_ext.training.checkpoints import causal_logits
+from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
 PAIRS = [("The key 3 maps to value", " 21"), ("def square(x):\n    return", " x**2"), ("Memory is written at", " test time")]
 TASK = """task: tiny_local

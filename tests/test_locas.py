@@ -111,7 +111,7 @@ def test_clipping_holds_after_every_update_and_binds_at_a_large_lr():
 def test_locas_glu_merges_into_a_plain_backbone_that_transformers_loads(tmp_path, architecture):
     from transformers import AutoModelForCausalLM
 
-    from torchtitan_ext.backbone import hf_config, to_hf_keys
+    from torchtitan_ext.families.backbone import hf_config, to_hf_keys
     from torchtitan_ext.hf_export import save_safetensors
 
     model, tokens = qwen3_model(architecture=architecture), torch.tensor([document(40)])
@@ -152,7 +152,7 @@ def test_locas_mlp_merges_into_a_wider_mlp_lm():
 @pytest.mark.parametrize("flavor,rank,paper_millions", [("qwen3_0_6b", 64, 5.5), ("qwen3_1_7b", 16, 2.8),
                                                         ("qwen3_1_7b", 64, 11.0), ("qwen3_1_7b", 128, 22.0)])
 def test_locas_glu_adds_the_papers_parameter_count_at_qwen3_shapes(flavor, rank, paper_millions):
-    from torchtitan_ext.backbone import FAMILY
+    from torchtitan_ext.families.backbone import FAMILY
 
     with torch.device("meta"):
         model = DecoderLM(FAMILY.config(flavor))

@@ -1,4 +1,4 @@
-"""Locas' evaluation texts (torchtitan_ext/locas_data.py): a LoCoMo file (the format of
+"""Locas' evaluation texts (torchtitan_ext/data/locas_data.py): a LoCoMo file (the format of
 locomo10.json, a small one written here) read into conversations and QA, wrong files refused
 with one clear line; the KJV books of Debian's bible-kjv when it is installed; both reachable
 as eval_long_ppl datasets."""
@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.locas_data import CATEGORY_NAMES, KJV_BOOKS, kjv_books, load_locomo
+from torchtitan_ext.data.locas_data import CATEGORY_NAMES, KJV_BOOKS, kjv_books, load_locomo
 
 SAMPLE = {
     "sample_id": "conv-1",

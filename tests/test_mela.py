@@ -34,7 +34,7 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 def test_decoder_block_equals_torchtitan_llama3_block():
     from torchtitan.models.common.attention import VarlenMetadata
 
-    from torchtitan_ext.transformer import FAMILY, model_config
+    from torchtitan_ext.families.transformer import FAMILY, model_config
 
     torch.manual_seed(0)
     titan = model_config("debug", "cpu").build()
@@ -201,7 +201,7 @@ TABLE_1 = {"400m": (27.45, 65.75), "800m": (28.78, 66.35), "1b2": (18.19, 76.97)
 
 @pytest.mark.parametrize("flavor", sorted(TABLE_1))
 def test_paper_sizes_match_table_1_shares(flavor):
-    from torchtitan_ext.mela import model_config
+    from torchtitan_ext.families.mela import model_config
 
     cfg = model_config(flavor)
     assert (cfg.h_cycles, cfg.l_cycles, cfg.h_layers, cfg.patch_size, cfg.chunk_size, cfg.vocab_size) == (4, 4, 8, 32, 64, 32000)
@@ -311,7 +311,7 @@ def test_memory_path_off_reads_memory_init_in_every_chunk():
 
 def test_section_5_3_ablations_are_named_configs_on_the_1b_token_budget():
     import train_configs.mela as configs
-    from torchtitan_ext import preflight
+    from torchtitan_ext.training import preflight
 
     assert {"h_cycles_1", "h_cycles_2", "l_cycles_1", "l_cycles_2", "h_layers_2", "l_layers_2", "l_layers_8",
             "no_newton_schulz", "no_neural_memory", "per_step_chain"} <= set(configs.ABLATIONS)
@@ -332,7 +332,7 @@ def test_the_default_memory_step_keeps_float32_near_float64_and_the_unit_step_do
     mela_debug, float32 stays within 1e-4 of float64 at the default step; eq. 10's unit step
     amplifies rounding chunk after chunk (measured 1.0 in the last chunk). Should the unit
     step ever stop doing so, the default deserves another look."""
-    from torchtitan_ext.mela import model_config
+    from torchtitan_ext.families.mela import model_config
 
     x = torch.randint(0, 4096, (1, 1024), generator=torch.Generator().manual_seed(3))
     gaps = {}

@@ -13,7 +13,7 @@ from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
 from models.grafts.graft import apply_graft, graft_diagnostics, GraftConfig
 from models.grafts.memory_llama import MemoryLlamaBlock, MemoryLlamaConfig, THESIS_MEMORY
 from models.memory.neural_memory import NeuralMemoryConfig
-from torchtitan_ext.backbone import FAMILY, load_hf_backbone
+from torchtitan_ext.families.backbone import FAMILY, load_hf_backbone
 
 VOCAB, LENGTH, CHUNK = 256, 96, 16
 # Two documents packed in each row (the attention is document-masked, the memory is not reset).

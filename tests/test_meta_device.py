@@ -22,7 +22,7 @@ from models.lms.mela import Mela, MelaConfig, mela_memory
 from models.lms.mlp_lm import MLPLM, MLPLMConfig
 from models.lms.titans import TitansConfig, TitansLM, VARIANTS
 from models.memory.neural_memory import NeuralMemoryConfig
-from torchtitan_ext import transformer
+from torchtitan_ext.families import transformer
 
 VOCAB, LENGTH = 64, 40
 

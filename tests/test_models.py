@@ -8,8 +8,8 @@ from torchtitan.models.common.attention import create_varlen_metadata_for_docume
 
 from conftest import load_script
 from models.lms.mlp_lm import MLPLM, MLPLMConfig
-from torchtitan_ext import mlp_lm, transformer
-from torchtitan_ext.plain_model import WrapperStateDictAdapter
+from torchtitan_ext.families import mlp_lm, transformer
+from torchtitan_ext.families.plain_model import WrapperStateDictAdapter
 
 param_count = load_script("param_counts").param_count
 

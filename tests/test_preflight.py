@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from conftest import REPO, train
-from torchtitan_ext import preflight
+from torchtitan_ext.training import preflight
 from torchtitan_ext.errors import UserError
 
 DEBUG = ["--module", "train_configs.transformer", "--config", "transformer_debug"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import load_script
-from torchtitan_ext.run_log import parse_steps
+from torchtitan_ext.training.run_log import parse_steps
 
 summary = load_script("summarize_run").summary
 

@@ -1,4 +1,4 @@
-"""Finetuning data from the synthetic tasks (torchtitan_ext/task_data.py): labels on the
+"""Finetuning data from the synthetic tasks (torchtitan_ext/data/task_data.py): labels on the
 answer only, the eval's answers, rank sharding, resumption, the split, where the question
 goes (MoNe's query phase through a real MoNe model)."""
 
@@ -11,9 +11,9 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.synthetic_tasks import fit_sample, score, TASKS
-from torchtitan_ext.task_data import MAX_ANSWER_TOKENS, split_with_answer, TaskDataLoader, TaskDataset
-from torchtitan_ext.tokenizer import AssetsTokenizer
+from torchtitan_ext.data.synthetic_tasks import fit_sample, score, TASKS
+from torchtitan_ext.data.task_data import MAX_ANSWER_TOKENS, split_with_answer, TaskDataLoader, TaskDataset
+from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
 SEQ_LEN = 256
 

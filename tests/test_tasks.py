@@ -13,12 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import load_script
-from torchtitan_ext import synthetic_tasks
-from torchtitan_ext.checkpoints import build_model
+from torchtitan_ext.data import synthetic_tasks
+from torchtitan_ext.training.checkpoints import build_model
 from torchtitan_ext.eval import tasks
 from torchtitan_ext.eval.long_ppl import Entry
 from torchtitan_ext.paths import default_tokenizer_dir
-from torchtitan_ext.tokenizer import AssetsTokenizer
+from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
 
 def test_kv_retrieval_has_gradmem_format_unique_keys_and_the_answer_in_context():
@@ -51,8 +51,8 @@ def test_the_text_haystack_is_held_out_prose_and_noise_stays_the_filler():
     training document holds none of it), in order from a random start; different samples
     start elsewhere. "noise" is the filler's sentences only; by default MK-NIAH reads text,
     S-NIAH noise (the paper's appendix A.1)."""
-    from torchtitan_ext.datasets import HELDOUT_PER_MILLE, is_heldout
-    from torchtitan_ext.embedded_corpus import embedded_documents
+    from torchtitan_ext.data.datasets import HELDOUT_PER_MILLE, is_heldout
+    from torchtitan_ext.data.embedded_corpus import embedded_documents
 
     docs = embedded_documents()
     held = " ".join(" ".join(d.split()) for d in docs if is_heldout(d, HELDOUT_PER_MILLE["embedded"]))

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import models, pre_tokenizers, trainers, Tokenizer
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.tokenizer import AssetsTokenizer
+from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
 TEXT = "Memory is learned and written at test time."
 

@@ -1,7 +1,7 @@
 """A toy model family as a newcomer would add one, kept outside the packages: the model
 (tests/toy_model.py, what `models/<family>.py` holds), a config function (what
 `train_configs/<family>.py` holds) and the registry entry (`TOY`, what
-`torchtitan_ext/<family>.py` holds). tests/test_families.py registers it and checks that the
+`torchtitan_ext/families/<family>.py` holds). tests/test_families.py registers it and checks that the
 catalogue, parameter counts, FLOPs, export and evaluation take it with no other edit."""
 
 from __future__ import annotations

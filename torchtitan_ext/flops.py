@@ -1,7 +1,7 @@
 """The shared pieces of the training FLOP counts behind MFU (torchtitan's `get_nparams_and_flops`):
 per-product counts, attention spans, the neural memory's work per token, a decoder block's
 linears. Each family's own count lives beside its registry entry, as `flops_per_token(config,
-seq_len)` in `torchtitan_ext/<family>.py` (e.g. `torchtitan_ext.titans.flops_per_token`);
+seq_len)` in `torchtitan_ext/families/<family>.py` (e.g. `torchtitan_ext.families.titans.flops_per_token`);
 `torchtitan_ext.families.training_flops_per_token` picks it, or 6 x parameters where a family has none.
 
 torchtitan's dense estimate (6N + attention) fits a Transformer, not a memory model: Mela's

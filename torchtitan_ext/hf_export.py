@@ -29,7 +29,7 @@ import torch
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family, family_of_spec
 from torchtitan_ext.paths import staged_folder
-from torchtitan_ext.plain_model import WrapperStateDictAdapter
+from torchtitan_ext.families.plain_model import WrapperStateDictAdapter
 
 REPO = Path(__file__).resolve().parents[1]
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
@@ -207,7 +207,7 @@ def import_weights(module: str, function: str, hf_folder: Path):
     folder (an export, or a `transformers` Llama), names and shapes checked first."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torchtitan_ext.checkpoints import build_model, check_compatible
+    from torchtitan_ext.training.checkpoints import build_model, check_compatible
 
     meta, config = build_model(module, function, "meta")
     spec = config.model_spec

@@ -14,9 +14,9 @@ from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
 from models.grafts.memory_llama import THESIS_MEMORY
 from models.grafts.mone import MONE_LORA
-from torchtitan_ext.backbone import FAMILY
+from torchtitan_ext.families.backbone import FAMILY
 from torchtitan_ext.paths import REPO_ROOT
-from torchtitan_ext.task_data import TaskDataLoader
+from torchtitan_ext.data.task_data import TaskDataLoader
 from train_configs.recipe import debug_recipe, grouped_adamw, paper_recipe
 
 
@@ -201,7 +201,7 @@ MONE_SAMPLES = 7 * 30000  # 30K samples for each of 2..8 segments: one epoch
 
 
 def _mone_tasks(config: Trainer.Config, name: str, lengths: str, question: str = "new_segment") -> Trainer.Config:
-    """Train and validate on the synthetic tasks (torchtitan_ext/task_data.py): one sample
+    """Train and validate on the synthetic tasks (torchtitan_ext/data/task_data.py): one sample
     per row, its length drawn from `lengths`, the loss on the answer only. By default the
     question starts a new segment with positions from 0 (the paper's query phase: it reads
     the context only through the memory); `question="continue"` puts it right after the

@@ -16,7 +16,7 @@ of pairs runs one stage per call, each initialised from the last checkpoint of t
 A row of n pairs takes 7 n + 9 tokens (`--training.seq_len`). The public runs train each stage
 until validation exact match reaches 1 or stops improving (up to 1M steps); `steps` here is
 that budget's cap. What the write loop cannot run under (compile, activation checkpointing)
-is refused at preflight (torchtitan_ext/gradmem.py).
+is refused at preflight (torchtitan_ext/families/gradmem.py).
 
 Table 1's other rows: `gradmem_kv_first_order` / `gradmem_kv_first_order_x2` ("x1 / x2, w/o
 meta-learning": the inner gradient detached, K = 1 / 2, from 8 pairs), `gradmem_kv_forward`
@@ -36,10 +36,10 @@ from torchtitan.trainer import Trainer
 
 from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
-from torchtitan_ext import backbone
-from torchtitan_ext.gradmem import GradMemLoss, KV, model_spec
-from torchtitan_ext.kv_tokenizer import build as build_kv_tokenizer, kv_tokenizer_dir
-from torchtitan_ext.task_data import TaskDataLoader
+from torchtitan_ext.families import backbone
+from torchtitan_ext.families.gradmem import GradMemLoss, KV, model_spec
+from torchtitan_ext.data.kv_tokenizer import build as build_kv_tokenizer, kv_tokenizer_dir
+from torchtitan_ext.data.task_data import TaskDataLoader
 from train_configs.backbone import LLAMA3_2_1B
 from train_configs.recipe import debug_recipe, paper_recipe
 

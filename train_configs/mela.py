@@ -6,13 +6,13 @@ cosine to 10%, 500 warmup steps, weight decay 0.1, clip 1.0, 0.5M-token batches,
 Section 5.3's ablations (Tables 2, 3 and 4) are `MelaConfig` fields: `mela_400m_<row>` has
 each row of the three tables on the paper's 1B-token budget (`ABLATIONS` lists them; `bash
 scripts/train.sh --list` prints them), `mela_400m_ablation_base` the full model on the same
-budget. Other combinations: `torchtitan_ext.mela.model_spec("400m", **fields)` from a config
+budget. Other combinations: `torchtitan_ext.families.mela.model_spec("400m", **fields)` from a config
 module of your own.
 """
 
 from torchtitan.trainer import Trainer
 
-from torchtitan_ext.mela import model_spec
+from torchtitan_ext.families.mela import model_spec
 from train_configs.recipe import ABLATION_TRAIN_TOKENS, debug_recipe, paper_recipe
 
 

@@ -2,7 +2,7 @@
 
 from torchtitan.trainer import Trainer
 
-from torchtitan_ext.mlp_lm import model_spec
+from torchtitan_ext.families.mlp_lm import model_spec
 from train_configs.recipe import debug_recipe, paper_recipe
 
 

@@ -20,11 +20,11 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
-from torchtitan_ext.trainer import MemoryTrainer
+from torchtitan_ext.training.trainer import MemoryTrainer
 
-from torchtitan_ext.dataloader import TextDataLoader
+from torchtitan_ext.data.dataloader import TextDataLoader
 from torchtitan_ext.paths import default_tokenizer_dir
-from torchtitan_ext.tokenizer import AssetsTokenizer
+from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
 PAPER_SEQ_LEN = 4096
 PAPER_GLOBAL_BATCH_TOKENS = 2**19  # 0.5M tokens

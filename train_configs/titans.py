@@ -6,7 +6,7 @@ the Mela paper's recipe (the Titans section gives no other), FineWeb-Edu, 4K con
 
 from torchtitan.trainer import Trainer
 
-from torchtitan_ext.titans import model_spec
+from torchtitan_ext.families.titans import model_spec
 from train_configs.recipe import debug_recipe, paper_recipe
 
 

@@ -14,7 +14,7 @@ angles are computed in float32 (float64 for float64 inputs in the norm) as trans
 
 Attribute names (tok_embeddings, layers, norm, lm_head, and attention / feed_forward /
 attention_norm / ffn_norm inside blocks) follow torchtitan's decoders, so its AC / compile /
-FSDP2 helpers apply; `torchtitan_ext/backbone.py` maps them to and from Hugging Face keys.
+FSDP2 helpers apply; `torchtitan_ext/families/backbone.py` maps them to and from Hugging Face keys.
 Documents packed in a row are kept apart through `positions` (restarting at 0 per document).
 
 Shapes: tokens (B, L) int64 -> logits (B, L, vocab_size).

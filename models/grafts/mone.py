@@ -48,7 +48,7 @@ Choices where the paper's shapes do not fit or it is silent (tested in tests/tes
   documents and a document's last segment may be short; that short segment is written
   (averaged over its own tokens) before the next document, which starts a new segment at
   local positions [0, Q). A task row [context | question] of two documents
-  (`torchtitan_ext/task_data.py`, question="new_segment") is thus the paper's protocol: the
+  (`torchtitan_ext/data/task_data.py`, question="new_segment") is thus the paper's protocol: the
   question reads the memory tokens and itself, never a context token. The memory is not
   reset at document boundaries (as MemoryLlama). A stream ends its segment the same way
   (`end_segment`, `end_segments`). The row's trailing segment is read, not written.

@@ -8,7 +8,7 @@ read never attends to the context. `forward` writes each row's context into its 
 (K gradient steps, or forward writes), reads [memory; query; answer] and returns the read's
 hidden states (or logits) in the row's layout, zero at the context's positions (which carry
 no labels), with the per-sample write loss L_write(M_{K-1}; C) of the last gradient step (the
-public code's term for the outer objective, weighted by the loss: `torchtitan_ext/gradmem.py`).
+public code's term for the outer objective, weighted by the loss: `torchtitan_ext/families/gradmem.py`).
 Finding where each row's query starts reads the data (one host sync per call).
 
 Shapes: tokens, positions (B, L) -> ((B, L, vocab) logits or (B, L, dim) hidden, (B,) write loss).

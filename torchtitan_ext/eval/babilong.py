@@ -27,7 +27,7 @@ first `samples` of each split read in order.
 Generator (`story`, `hide`): bAbI-style stories (Weston et al., 2015) of tasks qa1-qa5,
 answers known by construction from the simulated world, the facts kept in order and
 scattered between consecutive sentences of held-out real text (the validation split of the
-embedded corpus, `torchtitan_ext/datasets.py`: 505 sentences kept, 11.3K tokens with the
+embedded corpus, `torchtitan_ext/data/datasets.py`: 505 sentences kept, 11.3K tokens with the
 default tokenizer, read cyclically past their end), as many sentences as keep the prompt within the asked
 length in tokens; length 0 ("0k") is the story alone, as BABILong's 0k. Haystack sentences
 naming a person, place or object of the stories are dropped, so the text never contradicts
@@ -47,7 +47,7 @@ from pathlib import Path
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.stats import format_summary, summarize_seeds
-from torchtitan_ext.synthetic_tasks import Sample
+from torchtitan_ext.data.synthetic_tasks import Sample
 
 TASKS = tuple(f"qa{i}" for i in range(1, 11))  # the official files; the thesis reports all ten
 GENERATED_TASKS = TASKS[:5]
@@ -306,8 +306,8 @@ def story(task: str, rng: random.Random) -> Story:
 def haystack() -> tuple[str, ...]:
     """Sentences of the embedded corpus' held-out split, whitespace collapsed, 4-80 words,
     none naming a person, place or object of the stories (module docstring)."""
-    from torchtitan_ext.datasets import HELDOUT_PER_MILLE, is_heldout
-    from torchtitan_ext.embedded_corpus import embedded_documents
+    from torchtitan_ext.data.datasets import HELDOUT_PER_MILLE, is_heldout
+    from torchtitan_ext.data.embedded_corpus import embedded_documents
 
     banned = re.compile(r"\b(" + "|".join(PEOPLE + LOCATIONS + OBJECTS) + r")\b", re.IGNORECASE)
     sentences = []

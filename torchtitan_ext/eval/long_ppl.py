@@ -22,7 +22,7 @@ Modes (one per checkpoint, or one for all):
 Datasets: `embedded` (held-out split of the embedded corpus), `fineweb_edu` (its held-out
 split, streamed), `pg19` (`deepmind/pg19` test split, streamed), `kjv` (the King James
 Bible's 66 books from Debian's bible-kjv, offline), `locomo:<locomo10.json>` (each LoCoMo
-conversation's dialogue; torchtitan_ext/locas_data.py), or a local
+conversation's dialogue; torchtitan_ext/data/locas_data.py), or a local
 .txt/.jsonl/.parquet file or folder: its held-out split (the documents training's
 `local` dataset never reads: the same hash split as its validation), or with `--split all`
 every document (for a file held out by hand). The results state which.
@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torchtitan_ext.checkpoints import causal_logits, model_from_checkpoint
+from torchtitan_ext.training.checkpoints import causal_logits, model_from_checkpoint
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.stats import bootstrap
 from torchtitan_ext.eval.whole_book import parse_method, Protocol, read_document, run_whole_book
@@ -115,7 +115,7 @@ def check_context(entry: Entry, length: int) -> None:
 
 def documents(dataset: str, split: str = "heldout"):
     """Iterate the dataset's texts (see the module docstring); `split` applies to local data."""
-    from torchtitan_ext import datasets
+    from torchtitan_ext.data import datasets
 
     if dataset == "embedded":
         yield from datasets.load_embedded("", validation=True)["text"]
@@ -126,11 +126,11 @@ def documents(dataset: str, split: str = "heldout"):
 
         yield from (s["text"] for s in load_dataset("deepmind/pg19", split="test", streaming=True))
     elif dataset == "kjv":
-        from torchtitan_ext.locas_data import kjv_books
+        from torchtitan_ext.data.locas_data import kjv_books
 
         yield from kjv_books()
     elif dataset.startswith("locomo:"):
-        from torchtitan_ext.locas_data import load_locomo
+        from torchtitan_ext.data.locas_data import load_locomo
 
         yield from (c.text() for c in load_locomo(dataset.removeprefix("locomo:")))
     else:
@@ -285,7 +285,7 @@ def per_checkpoint(values: list | None, count: int, name: str, default=None) -> 
 
 def run_ttt(args: argparse.Namespace) -> dict:
     """The whole-book protocol (`--ttt`) on the one checkpoint."""
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
     if len(args.checkpoint) != 1:
         raise UserError(f"--ttt reads one checkpoint, got {len(args.checkpoint)}: compare methods of one model per run")
@@ -325,7 +325,7 @@ def export_merged(base: torch.nn.Module, specs: list[str], document: list[int], 
     FFNs (models/memory/locas.py `merge_locas`), written as a Hugging Face folder: a plain
     LlamaForCausalLM / Qwen3ForCausalLM for the backbone, the family's export otherwise."""
     from models.memory.locas import merge_locas
-    from torchtitan_ext.checkpoints import build_model
+    from torchtitan_ext.training.checkpoints import build_model
     from torchtitan_ext.hf_export import export
 
     locas = [s for s in specs if s.startswith("locas")]
@@ -340,7 +340,7 @@ def export_merged(base: torch.nn.Module, specs: list[str], document: list[int], 
 def run(args: argparse.Namespace) -> dict:
     """Perplexity of every --checkpoint at every --context-lengths on the same documents (the
     module docstring) -> a JSON-able dict."""
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
     count = len(args.checkpoint)
     configs = per_checkpoint(args.config, count, "--config")

@@ -3,19 +3,19 @@
 KV-retrieval from the memory alone.
 
 Tasks (each sample: a context of about the asked length in tokens, a query, the answer):
-kv_retrieval, s_niah, mk_niah, fwe (`torchtitan_ext/synthetic_tasks.py`, which also feeds
-finetuning: `torchtitan_ext/task_data.py`).
+kv_retrieval, s_niah, mk_niah, fwe (`torchtitan_ext/data/synthetic_tasks.py`, which also feeds
+finetuning: `torchtitan_ext/data/task_data.py`).
 
 The model answers by greedy decoding (`--answer-tokens`), reading the context in the chosen
 mode (full, or streaming for memory models; see torchtitan_ext/eval/long_ppl.py). `--question` (one, or one
-per checkpoint) places the question as the task rows of torchtitan_ext/task_data.py do:
+per checkpoint) places the question as the task rows of torchtitan_ext/data/task_data.py do:
 "new_segment" (the default for a model whose every block is MoNe: paper 004's query phase)
 writes the whole context into the memory, its last short segment too, and reads the question
 as a new segment at positions [0, Q), attending to the memory tokens and itself only (one
 pass: [context | question] as two documents; streaming: the context's stream, its segments
 ended (models/grafts/mone.py `end_segments`), then the question); "continue" (every other
 model's default and only choice) reads the question right after the context. `--haystack`:
-the needle tasks' haystack (torchtitan_ext/synthetic_tasks.py; default the paper's: S-NIAH
+the needle tasks' haystack (torchtitan_ext/data/synthetic_tasks.py; default the paper's: S-NIAH
 noise, MK-NIAH held-out text). Beside the score, the answer's perplexity: exp of the mean NLL
 of the answer and EOS tokens (the tokens a task finetune is trained on) given the prompt.
 Checkpoints sharing a `--label` (by default their config's name), mode and question are one
@@ -59,8 +59,8 @@ from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import babilong
 from torchtitan_ext.eval.long_ppl import entry_logits, load_entry, per_checkpoint
 from torchtitan_ext.eval.stats import format_summary, summarize_seeds
-from torchtitan_ext.synthetic_tasks import fit_sample, score, TASKS
-from torchtitan_ext.task_data import MAX_ANSWER_TOKENS, split_with_answer, with_answer
+from torchtitan_ext.data.synthetic_tasks import fit_sample, score, TASKS
+from torchtitan_ext.data.task_data import MAX_ANSWER_TOKENS, split_with_answer, with_answer
 
 
 def segment_memory(model) -> bool:
@@ -133,7 +133,7 @@ def answer_nll(entry, full: list[int], start: int, query: int = 0) -> float:
 def encode_prompt(task: str, sample, ids: list[int], tokenizer, question: str):
     """(prompt ids, question start, ids with the answer and EOS, first answer token) of a
     sample whose BOS + context + query encodes jointly as `ids`, as the task rows place the
-    question (torchtitan_ext/task_data.py): "continue" one document (question start 0),
+    question (torchtitan_ext/data/task_data.py): "continue" one document (question start 0),
     "new_segment" context and question encoded apart."""
     if question == "continue":
         return (ids, 0, *with_answer(task, sample, ids, tokenizer))
@@ -157,7 +157,7 @@ def questions(args: argparse.Namespace, loaded: list) -> list[str]:
 
 def load_entries(args: argparse.Namespace) -> tuple[list, object]:
     """([(Entry, tokenizer folder)] of every --checkpoint, their one tokenizer)."""
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
     count = len(args.checkpoint)
     configs = per_checkpoint(args.config, count, "--config")
@@ -243,10 +243,10 @@ def run_babilong(args: argparse.Namespace) -> dict:
 
 def run_gradmem(args: argparse.Namespace) -> dict:
     """Exact match from the written memory per (label, K) and number of pairs; checkpoints
-    sharing a label are one model's seeds (`torchtitan_ext.gradmem.pool_cells`)."""
+    sharing a label are one model's seeds (`torchtitan_ext.families.gradmem.pool_cells`)."""
     from models.lms.gradmem import GradMemLM
-    from torchtitan_ext.gradmem import kv_cell, pool_cells
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.families.gradmem import kv_cell, pool_cells
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
     count = len(args.checkpoint)
     if any(m != "gradmem" for m in per_checkpoint(args.mode, count, "--mode", "gradmem")):

@@ -1,5 +1,5 @@
 """The synthetic memory tasks, generated (no download): the samples `scripts/eval_tasks.py`
-scores and `torchtitan_ext/task_data.py` trains on.
+scores and `torchtitan_ext/data/task_data.py` trains on.
 
 - kv_retrieval: GradMem's associative retrieval (Kuratov et al., "GradMem: Learning to Write
   Context into Memory with Test-Time Gradient Descent", section 4): keys and values of 2
@@ -13,7 +13,7 @@ scores and `torchtitan_ext/task_data.py` trains on.
 
 The needles' haystack (`HAYSTACKS`): "noise", RULER's repeated filler sentences ("The grass
 is green. ..."), or "text", real prose that training never reads, as RULER's Paul Graham
-essays: the held-out documents of the embedded corpus (torchtitan_ext/datasets.py's
+essays: the held-out documents of the embedded corpus (torchtitan_ext/data/datasets.py's
 `embedded_validation`: CPython's help topics and docstrings, 53K characters, about 13K
 tokens, whitespace collapsed), cut into sentences (and long ones at words, at most
 `MAX_PIECE` characters), read in order from a random sentence, wrapping around (a longer
@@ -79,8 +79,8 @@ def kv_pairs(rng: random.Random, n_pairs: int) -> Sample:
 @cache
 def heldout_sentences() -> tuple[str, ...]:
     """The "text" haystack's pieces (module docstring), in corpus order."""
-    from torchtitan_ext.datasets import HELDOUT_PER_MILLE, is_heldout
-    from torchtitan_ext.embedded_corpus import embedded_documents
+    from torchtitan_ext.data.datasets import HELDOUT_PER_MILLE, is_heldout
+    from torchtitan_ext.data.embedded_corpus import embedded_documents
 
     text = " ".join(" ".join(d.split()) for d in embedded_documents() if is_heldout(d, HELDOUT_PER_MILLE["embedded"]))
     return tuple(piece for sentence in re.split(r"(?<=[.!?])\s+", text) for piece in textwrap.wrap(sentence, MAX_PIECE))

@@ -106,7 +106,7 @@ def check_dump_folder(folder: str) -> None:
 def check_dataset(dataloader_config, flag: str) -> None:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    import torchtitan_ext.datasets as datasets
+    import torchtitan_ext.data.datasets as datasets
 
     name = dataloader_config.dataset.lower()
     if name not in DATASETS:
@@ -121,9 +121,9 @@ def check_dataset(dataloader_config, flag: str) -> None:
 
 
 def check_tokenizer(config) -> None:
-    from torchtitan_ext import default_tokenizer
+    from torchtitan_ext.data import default_tokenizer
     from torchtitan_ext.paths import default_tokenizer_dir
-    from torchtitan_ext.tokenizer import AssetsTokenizer
+    from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
     if Path(config.hf_assets_path).resolve() == default_tokenizer_dir().resolve():
         default_tokenizer.build(Path(config.hf_assets_path))  # the offline default: trained once, on first use
@@ -187,7 +187,7 @@ def check_model_builds(config) -> None:
 def check(config, world: int | None = None, explicit_local_batch: bool = False) -> None:
     """Raise a one-line UserError for the first problem of `config` run on `world` ranks
     (default: `world_size()`)."""
-    from torchtitan_ext.plain_model import check_seq_len
+    from torchtitan_ext.families.plain_model import check_seq_len
 
     fitted_local_batch(config, world_size() if world is None else world, explicit_local_batch)
     check_seq_len(config)
@@ -202,12 +202,12 @@ def check(config, world: int | None = None, explicit_local_batch: bool = False) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m torchtitan_ext.preflight <train args>`: exit 0 if the config is usable, else
+    """`python -m torchtitan_ext.training.preflight <train args>`: exit 0 if the config is usable, else
     print one line and exit 2. The launcher runs it before torchrun."""
     import logging
     import sys
 
-    from torchtitan_ext import cpu
+    from torchtitan_ext.training import cpu
 
     logging.disable(logging.WARNING)  # the check speaks in one line; torchtitan's config warnings wait for the run
     cpu.apply()

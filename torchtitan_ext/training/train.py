@@ -1,4 +1,4 @@
-"""Training entry point: `python -m torchtitan_ext.train --module M --config F [--section.key value ...]`.
+"""Training entry point: `python -m torchtitan_ext.training.train --module M --config F [--section.key value ...]`.
 
 Runs torchtitan 0.3.0's own `torchtitan.train.main` after
 1. the CPU support (only without an accelerator) and the torch 2.13 `set_timeout` alias,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from torchtitan_ext import cpu
+from torchtitan_ext.training import cpu
 from torchtitan_ext.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cpu.patch_distributed_set_timeout()
     cpu.apply()
-    from torchtitan_ext import preflight
+    from torchtitan_ext.training import preflight
 
     explicit = preflight.option_value(argv, "--training.local_batch_size") is not None
     try:

@@ -26,7 +26,7 @@ from typing import Any
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 
-from torchtitan_ext.embedded_corpus import embedded_documents
+from torchtitan_ext.data.embedded_corpus import embedded_documents
 from torchtitan_ext.errors import UserError
 
 FINEWEB_EDU_REPO = "HuggingFaceFW/fineweb-edu"

@@ -16,7 +16,7 @@ from typing import Literal
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader, HuggingFaceTextDataset
 
-import torchtitan_ext.datasets  # noqa: F401  (registers the project's datasets)
+import torchtitan_ext.data.datasets  # noqa: F401  (registers the project's datasets)
 
 
 class SequenceShardedTextDataset(HuggingFaceTextDataset):

@@ -1,4 +1,4 @@
-"""Finetuning data from the synthetic memory tasks (`torchtitan_ext/synthetic_tasks.py`): the
+"""Finetuning data from the synthetic memory tasks (`torchtitan_ext/data/synthetic_tasks.py`): the
 generators `scripts/eval_tasks.py` scores, as a torchtitan dataloader.
 
 Each sequence is one sample: BOS, context and query (as long as fits, found the way
@@ -24,7 +24,7 @@ kv_retrieval the value, niah " " + the value, fwe " " + the three words.
 `split_context` is GradMem's name for the "new_segment" rows (its configs set it).
 `pairs` (kv_retrieval only) draws each sample's number of key-value pairs from a list
 instead of filling the row (GradMem's Table 1 counts pairs). `haystack` picks the needle
-tasks' haystack (torchtitan_ext/synthetic_tasks.py: "text", "noise"; "": the paper's per task).
+tasks' haystack (torchtitan_ext/data/synthetic_tasks.py: "text", "noise"; "": the paper's per task).
 
 Sample i (tasks taken in turn) is drawn from `random.Random(f"{seed}-{split}-{i}")`: the
 same data for any number of ranks (rank r of W takes i = r, r + W, ...), resumable from
@@ -44,7 +44,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.synthetic_tasks import check_haystack, fit_sample, kv_pairs, TASKS
+from torchtitan_ext.data.synthetic_tasks import check_haystack, fit_sample, kv_pairs, TASKS
 
 QUESTIONS = ("new_segment", "continue")
 ANSWER_PREFIX = {"kv_retrieval": "", "s_niah": " ", "mk_niah": " ", "fwe": " "}

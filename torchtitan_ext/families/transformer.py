@@ -33,8 +33,8 @@ from torchtitan.models.llama3 import (
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_ext.attention import auto_attention_backend, use_cpu_attention
-from torchtitan_ext.cpu import has_accelerator
+from torchtitan_ext.training.llama3_cpu_attention import auto_attention_backend, use_cpu_attention
+from torchtitan_ext.training.cpu import has_accelerator
 from torchtitan_ext.families import Family
 
 

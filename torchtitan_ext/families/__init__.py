@@ -2,9 +2,9 @@
 the exporter (catalogue, parameter counts, FLOPs/MFU, Hugging Face export and import,
 evaluation, the demo).
 
-A family's entry lives beside its torchtitan glue (`torchtitan_ext/<family>.py`, as
+A family's entry lives beside its torchtitan glue (`torchtitan_ext/families/<family>.py`, as
 `FAMILY`) and is listed once in `MODULES` below. Adding a family = a `models/` module (the
-plain model and its config dataclass), a `torchtitan_ext/<family>.py` holding the `Family`
+plain model and its config dataclass), a `torchtitan_ext/families/<family>.py` holding the `Family`
 entry, a `train_configs/<family>.py` of config functions, and its name in `MODULES`;
 `register()` adds an entry from anywhere else (a plugin, a test).
 
@@ -19,7 +19,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-MODULES = ("transformer", "mlp_lm", "titans", "mela", "backbone", "gradmem")  # torchtitan_ext.<name>.FAMILY
+MODULES = ("transformer", "mlp_lm", "titans", "mela", "backbone", "gradmem")  # torchtitan_ext.families.<name>.FAMILY
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Family:
         """torchtitan's ModelSpec of a flavor (a copy: callers may edit theirs)."""
         if self.build_spec is not None:
             return self.build_spec(flavor, **overrides)
-        from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
+        from torchtitan_ext.families.plain_model import plain_model_spec, torchtitan_model
 
         config = self.config(flavor, **overrides)
         model_cls = torchtitan_model(self.plain_class, self.config_class, self.flops_per_token)
@@ -104,7 +104,7 @@ _registered: dict[str, Family] = {}
 
 @functools.cache
 def _built_in() -> dict[str, Family]:
-    return {f.name: f for f in (importlib.import_module(f"torchtitan_ext.{m}").FAMILY for m in MODULES)}
+    return {f.name: f for f in (importlib.import_module(f"torchtitan_ext.families.{m}").FAMILY for m in MODULES)}
 
 
 def families() -> dict[str, Family]:
@@ -130,7 +130,7 @@ def family_of_spec(spec_name: str) -> Family:
                                          {f"{family.name}_{v}" for v in family.variants}):
             return family
     raise ValueError(f"model '{spec_name}' belongs to no registered family: add a Family entry "
-                     "(torchtitan_ext/families.py)")
+                     "(torchtitan_ext/families/__init__.py)")
 
 
 def family_of_config(config) -> Family:

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from torchtitan_ext.paths import cache_dir
-from torchtitan_ext.synthetic_tasks import SYMBOLS
+from torchtitan_ext.data.synthetic_tasks import SYMBOLS
 
 SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")
 ALPHABET = SYMBOLS + "!?:|"

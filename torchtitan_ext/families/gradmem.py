@@ -7,7 +7,7 @@ Flavors:
 | --- | --- | --- | --- |
 | kv | the paper's KV-retrieval model (appendix C, Table 4; the public code's Llama config) | Llama, 4 layers, 4 heads (head_dim 32), dim 128, FFN 512, tied, 70-token character vocabulary, m = 8 | 0.79M + 8.9K write head |
 | kv_debug | CPU debug size | 2 layers, dim 64, FFN 256 | 0.11M |
-| qwen3_debug, llama3_2_1b, qwen3_0_6b | grafted on the pretrained backbones (`torchtitan_ext/backbone.py`) | theirs | theirs + m x dim + the write head |
+| qwen3_debug, llama3_2_1b, qwen3_0_6b | grafted on the pretrained backbones (`torchtitan_ext/families/backbone.py`) | theirs | theirs + m x dim + the write head |
 
 What the second-order write supports (`check_config`, exit 2 at preflight otherwise):
 - Data parallelism: DDP, not FSDP2 (`parallelize_gradmem`); 1 vs 2 processes from one seed
@@ -32,11 +32,11 @@ from torchtitan.components.loss import ChunkedLossWrapper, IGNORE_INDEX
 
 from models.lms.gradmem import GradMemLM, GradMemLMConfig
 from models.memory.gradmem import gradmem_diagnostics
-from torchtitan_ext import backbone, flops
+from torchtitan_ext import flops
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.stats import summarize_seeds
-from torchtitan_ext.families import Family
-from torchtitan_ext.synthetic_tasks import kv_pairs, score
+from torchtitan_ext.families import backbone, Family
+from torchtitan_ext.data.synthetic_tasks import kv_pairs, score
 
 # The public KV scripts' model: Llama-3.2-1B's config with 4 layers, 4 heads, width 128, FFN 4 x 128, so
 # theta 500,000 and Llama 3's RoPE scaling come with it (the paper names only "a 4-layer Llama").
@@ -83,7 +83,7 @@ class GradMemLoss(ChunkedLossWrapper):
 
 def check_config(config) -> None:
     """UserError for what the second-order write cannot run under (module docstring)."""
-    from torchtitan_ext.kv_tokenizer import build, kv_tokenizer_dir
+    from torchtitan_ext.data.kv_tokenizer import build, kv_tokenizer_dir
 
     if config.compile.enable:
         raise UserError("GradMem's write differentiates the model's backward, which torch.compile cannot "
@@ -106,8 +106,8 @@ def check_config(config) -> None:
         build()  # the character tokenizer: written on first use
     loader = config.dataloader
     if loader.pairs:  # the largest sample must fit a row
-        from torchtitan_ext.task_data import encode_sample
-        from torchtitan_ext.tokenizer import AssetsTokenizer
+        from torchtitan_ext.data.task_data import encode_sample
+        from torchtitan_ext.data.tokenizer import AssetsTokenizer
 
         tokenizer = AssetsTokenizer(AssetsTokenizer.Config(), tokenizer_path=config.hf_assets_path)
         pairs = max(int(n) for n in loader.pairs.split(","))
@@ -260,7 +260,7 @@ def row_flops(cfg: GradMemLMConfig, context: int, read: int) -> float:
 
 def gradmem_spec(flavor: str, **overrides):
     """The family's ModelSpec: the plain-model spec with `parallelize_gradmem`."""
-    from torchtitan_ext.plain_model import plain_model_spec, torchtitan_model
+    from torchtitan_ext.families.plain_model import plain_model_spec, torchtitan_model
 
     spec = plain_model_spec("gradmem", flavor, torchtitan_model(GradMemLM, GradMemLMConfig, flops_per_token),
                             FAMILY.config(flavor, **overrides), backbone.HFBackboneAdapter)

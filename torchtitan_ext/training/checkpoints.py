@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.preflight import parse
+from torchtitan_ext.training.preflight import parse
 
 
 def build_model(module: str, function: str, device: str = "cpu"):
     """(model, trainer config) for `--module module --config function`, fp32, eval mode.
     device "meta" builds the structure only (instant at any size: for checking shapes)."""
-    from torchtitan_ext import cpu
+    from torchtitan_ext.training import cpu
 
     cpu.apply()
     config = parse(["--module", module, "--config", function])

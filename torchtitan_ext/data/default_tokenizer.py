@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from torchtitan_ext.embedded_corpus import embedded_documents
+from torchtitan_ext.data.embedded_corpus import embedded_documents
 from torchtitan_ext.paths import default_tokenizer_dir
 
 VOCAB_SIZE = 4096

@@ -1,0 +1,1 @@
+"""Data: datasets and the dataloader, tokenizers, the embedded corpus, synthetic tasks and task rows, Locas' documents."""
