@@ -104,7 +104,8 @@ def train(args, write: str, k: int, alpha: float, meta_gradient: str, seed: int,
 
 def main(argv: list[str] | None = None) -> None:
     from torchtitan_ext.eval.tasks import gradmem_markdown, gradmem_plot
-    from torchtitan_ext.families.gradmem import kv_cell, pool_cells, WRITE_LOSS_WEIGHT
+    from torchtitan_ext.eval.gradmem_kv import kv_cell, pool_cells
+    from torchtitan_ext.families.gradmem import WRITE_LOSS_WEIGHT
     from torchtitan_ext.data.kv_tokenizer import build
     from torchtitan_ext.paths import write_results
     from torchtitan_ext.data.tokenizer import AssetsTokenizer
