@@ -311,7 +311,7 @@ def test_memory_path_off_reads_memory_init_in_every_chunk():
 
 def test_section_5_3_ablations_are_named_configs_on_the_1b_token_budget():
     import train_configs.mela as configs
-    from torchtitan_ext.training import preflight
+    from torchtitan_ext.training import cli
 
     assert {"h_cycles_1", "h_cycles_2", "l_cycles_1", "l_cycles_2", "h_layers_2", "l_layers_2", "l_layers_8",
             "no_newton_schulz", "no_neural_memory", "per_step_chain"} <= set(configs.ABLATIONS)
@@ -323,7 +323,7 @@ def test_section_5_3_ablations_are_named_configs_on_the_1b_token_budget():
         assert config.training.steps * config.training.global_batch_size * config.training.seq_len == pytest.approx(
             1e9, rel=0.001), name
         assert all(getattr(model, k) == v for k, v in fields.items()), name
-    parsed = preflight.parse(["--module", "train_configs.mela", "--config", "mela_400m_h_cycles_2"])
+    parsed = cli.parse(["--module", "train_configs.mela", "--config", "mela_400m_h_cycles_2"])
     assert parsed.model_spec.model.model.h_cycles == 2 and parsed.model_spec.model.model.l_cycles == 4
 
 

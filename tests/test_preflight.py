@@ -7,18 +7,18 @@ import subprocess
 import pytest
 
 from conftest import REPO, train
-from torchtitan_ext.training import preflight
+from torchtitan_ext.training import cli, preflight
 from torchtitan_ext.errors import UserError
 
 DEBUG = ["--module", "train_configs.transformer", "--config", "transformer_debug"]
 
 
 def check(args):
-    preflight.check(preflight.parse(args))
+    preflight.check(cli.parse(args))
 
 
 def test_valid_debug_config_passes(tokenizer_dir, tmp_path):
-    config = preflight.parse(DEBUG + ["--dump_folder", str(tmp_path), "--training.steps", "7"])
+    config = cli.parse(DEBUG + ["--dump_folder", str(tmp_path), "--training.steps", "7"])
     preflight.check(config)  # raises UserError on any problem
     assert config.training.steps == 7 and config.model_spec.name == "transformer"
 
@@ -79,7 +79,7 @@ def test_config_module_with_a_missing_dependency_names_the_dependency(tmp_path, 
     (tmp_path / "configs_needing_x.py").write_text("import no_such_dependency_x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UserError, match="No module named 'no_such_dependency_x'"):
-        preflight.parse(["--module", "configs_needing_x", "--config", "anything"])
+        cli.parse(["--module", "configs_needing_x", "--config", "anything"])
 
 
 PAPER_CONFIGS = [("train_configs.transformer", "transformer_400m"), ("train_configs.mela", "mela_400m"),
@@ -91,7 +91,7 @@ PAPER_CONFIGS = [("train_configs.transformer", "transformer_400m"), ("train_conf
 def test_paper_recipes_keep_the_global_batch_on_any_rank_count_dividing_it(module, config, ranks):
     """0.5M tokens = 128 sequences of 4096 per step on 1 to 128 ranks: the recipe's local
     batch (a ceiling of 8) is lowered to fit, torchtitan accumulates the rest."""
-    parsed = preflight.parse(["--module", module, "--config", config])
+    parsed = cli.parse(["--module", module, "--config", config])
     local = preflight.fitted_local_batch(parsed, ranks, explicit=False)
     assert parsed.training.global_batch_size * parsed.training.seq_len == 2**19
     accumulation, remainder = divmod(parsed.training.global_batch_size, local * ranks)
@@ -99,14 +99,14 @@ def test_paper_recipes_keep_the_global_batch_on_any_rank_count_dividing_it(modul
 
 
 def test_batch_arithmetic_that_cannot_work_is_one_clear_error():
-    parsed = preflight.parse(["--module", "train_configs.mela", "--config", "mela_400m"])
+    parsed = cli.parse(["--module", "train_configs.mela", "--config", "mela_400m"])
     with pytest.raises(UserError, match="does not split over 3 data-parallel ranks"):
         preflight.fitted_local_batch(parsed, 3, explicit=False)
-    parsed = preflight.parse(["--module", "train_configs.mela", "--config", "mela_400m",
+    parsed = cli.parse(["--module", "train_configs.mela", "--config", "mela_400m",
                               "--training.local_batch_size", "3"])
     with pytest.raises(UserError, match="local_batch_size 3 does not divide the 64 sequences per rank"):
         preflight.fitted_local_batch(parsed, 2, explicit=True)
-    parsed = preflight.parse(["--module", "train_configs.mela", "--config", "mela_400m",
+    parsed = cli.parse(["--module", "train_configs.mela", "--config", "mela_400m",
                               "--parallelism.tensor_parallel_degree", "4"])
     with pytest.raises(UserError, match="6 ranks do not split into tensor x pipeline x context parallel degree 4"):
         preflight.fitted_local_batch(parsed, 6, explicit=False)
@@ -120,10 +120,10 @@ def test_the_offline_default_tokenizer_is_built_on_first_use(tmp_path, monkeypat
 
     folder = tmp_path / "default-tokenizer"
     monkeypatch.setattr(paths, "default_tokenizer_dir", lambda: folder)
-    config = preflight.parse(DEBUG + ["--hf_assets_path", str(folder), "--dump_folder", str(tmp_path / "run")])
+    config = cli.parse(DEBUG + ["--hf_assets_path", str(folder), "--dump_folder", str(tmp_path / "run")])
     preflight.check_tokenizer(config)
     assert (folder / "tokenizer.model").is_file()
-    config = preflight.parse(DEBUG + ["--hf_assets_path", str(tmp_path / "other"), "--dump_folder", str(tmp_path / "run")])
+    config = cli.parse(DEBUG + ["--hf_assets_path", str(tmp_path / "other"), "--dump_folder", str(tmp_path / "run")])
     with pytest.raises(UserError, match="no tokenizer.model or tokenizer.json"):
         preflight.check_tokenizer(config)
 
@@ -140,6 +140,6 @@ def test_the_readmes_32_gpu_run_passes_preflight(tokenizer_dir, tmp_path, monkey
     assert command, "the README's real-run command is missing"
     args = shlex.split(command.group(1))
     args[args.index("--dump_folder") + 1] = str(tmp_path / "mela_400m")
-    config = preflight.parse(args + ["--hf_assets_path", str(tokenizer_dir)])
+    config = cli.parse(args + ["--hf_assets_path", str(tokenizer_dir)])
     preflight.check(config, world=32)
     assert preflight.fitted_local_batch(config, 32, explicit=False) == 4  # as the README says

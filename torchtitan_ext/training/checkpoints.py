@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.training.preflight import parse
+from torchtitan_ext.training.cli import parse
 
 
 def build_model(module: str, function: str, device: str = "cpu"):

@@ -2,7 +2,7 @@
 
 Runs torchtitan 0.3.0's own `torchtitan.train.main` after
 1. the CPU support (only without an accelerator) and the torch 2.13 `set_timeout` alias,
-2. a preflight check of the parsed config (`preflight.py`), so that bad input ends
+2. the command line parsed (`cli.py`) and checked (`preflight.py`), so that bad input ends
    with one line naming the problem and the fix, and exit code 2, before any work,
 3. fitting the local batch to the data-parallel degree (`preflight.fitted_local_batch`:
    the global batch is fixed, gradient accumulation makes up the rest).
@@ -37,11 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cpu.patch_distributed_set_timeout()
     cpu.apply()
-    from torchtitan_ext.training import preflight
+    from torchtitan_ext.training import cli, preflight
 
-    explicit = preflight.option_value(argv, "--training.local_batch_size") is not None
+    explicit = cli.option_value(argv, "--training.local_batch_size") is not None
     try:
-        config = preflight.parse(argv)
+        config = cli.parse(argv)
         preflight.check(config, explicit_local_batch=explicit)
         local_batch = preflight.fitted_local_batch(config, preflight.world_size(), explicit)
     except UserError as e:
