@@ -13,6 +13,7 @@ from kernels.reference import newton_schulz_reference
 from models.memory.neural_memory import (
     associative_grads,
     chunked_memory,
+    clip_surprise,
     MemoryState,
     mlp_forward,
     NeuralMemory,
@@ -209,7 +210,7 @@ def write_and_recall(n_pairs: int, passes: int, depth: int, lr: float = 0.5) -> 
     for _ in range(passes):
         ones = torch.ones(1, 1, keys.shape[2])
         no_momentum, no_forget = torch.full_like(ones, float("-inf")), 0 * ones
-        _, state = chunked_memory(state, keys, keys, values, lr * ones, no_momentum, no_forget, chunk=4)
+        _, state, _ = chunked_memory(state, keys, keys, values, lr * ones, no_momentum, no_forget, chunk=4)
 
     def error(s):
         recalled, _ = mlp_forward(s.weights, keys)
@@ -264,7 +265,7 @@ def test_gradcheck_of_the_chunked_update(gates_rule, ns_steps):
     def run(w0, w1, q, k, v, theta, eta, alpha):
         state = MemoryState((w0, w1), (torch.zeros_like(w0), torch.zeros_like(w1)),
                             (k[:, :, :0], v[:, :, :0], theta[..., :0], eta[..., :0], alpha[..., :0]), q[0, 0, :0])
-        y, s = chunked_memory(state, q, k, v, theta, eta.log(), (1 - alpha).log(), chunk=2,
+        y, s, _ = chunked_memory(state, q, k, v, theta, eta.log(), (1 - alpha).log(), chunk=2,
                               rule=UpdateRule(gates_rule, ns_steps))
         return y, *s.weights, *s.momentum
 
@@ -318,3 +319,48 @@ def test_compiled_chunk_step_matches_eager(gates):
         results.append(fwd_bwd(make_memory(compiled_chunk_step=compiled, gates=gates, **extra)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_surprise_bound_clips_each_weighted_gradient_sum_to_its_norm():
+    """`clip_surprise` against a loop over (batch row, head, weighting) with torch.linalg.norm."""
+    grads = [torch.randn(2, 3, 2, 4, 5) * 3, torch.randn(2, 3, 2, 5, 4) * 0.1]
+    bound = 2.0
+    clipped, count = clip_surprise(grads, bound)
+    expected_count = 0
+    for g, c in zip(grads, clipped):
+        for b, h, k in itertools.product(range(2), range(3), range(2)):
+            norm = torch.linalg.matrix_norm(g[b, h, k]).item()
+            torch.testing.assert_close(c[b, h, k], g[b, h, k] * min(1.0, bound / norm))
+            expected_count += norm > bound
+    assert count.item() == expected_count and 0 < expected_count < 24
+    unchanged, none = clip_surprise(grads, 0.0)
+    assert unchanged is grads and none.item() == 0
+
+
+@pytest.mark.parametrize("gates", ["token", "chunk"])
+def test_a_surprise_bound_above_every_norm_changes_nothing(gates):
+    extra = dict(gates="chunk", newton_schulz_steps=5) if gates == "chunk" else {}
+    free, bounded = make_memory(**extra), make_memory(max_update_norm=1e6, **extra)
+    for a, b in zip(fwd_bwd(free), fwd_bwd(bounded)):
+        assert torch.equal(a, b)
+    assert bounded.last_stats["clipped_share"] == 0 and "clipped_share" not in free.last_stats
+
+
+@pytest.mark.parametrize("gates", ["token", "chunk"])
+def test_a_large_lr_memory_that_blows_up_stays_finite_under_the_surprise_bound(gates):
+    """fp32, max_lr 10: without the bound the fast weights reach inf / NaN within 16 chunks;
+    with it every output, weight and gradient stays finite, and the clipping is counted. (With
+    Newton-Schulz the chunk rule's step is orthogonalised and does not blow up: plain momentum here.)"""
+    extra = dict(gates="chunk") if gates == "chunk" else {}
+    x = torch.randn(2, 64, 16, dtype=torch.float32, generator=torch.Generator().manual_seed(0)) * 3
+    runs = {}
+    for bound in (0.0, 1.0):
+        torch.manual_seed(0)
+        memory = NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, max_lr=10.0,
+                                                 max_update_norm=bound, **extra)).float()
+        y, state = memory(x)
+        y.square().mean().backward()
+        finite = [torch.isfinite(t).all().item() for t in (y, *state.weights, *(p.grad for p in memory.parameters()))]
+        runs[bound] = (finite, memory.last_stats)
+    assert not all(runs[0.0][0])
+    assert all(runs[1.0][0]) and runs[1.0][1]["clipped_share"] > 0.5

@@ -74,6 +74,12 @@ Choices where the papers are silent (tested):
   it needs whole chunks.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
+- `max_update_norm = b > 0` bounds the surprise (off by default, as in the paper): each
+  chunk's weighted gradient sum that enters the momentum or the weights (per batch row, head
+  and weight matrix; the per-token rule has two, the chunk rule one) is scaled to Frobenius
+  norm at most b before it is applied (`clip_surprise`), so a large learning rate or an
+  outlier chunk cannot blow the fast weights up; the share of sums clipped in the last
+  forward is `last_stats["clipped_share"]`.
 """
 
 from __future__ import annotations
@@ -121,6 +127,7 @@ class NeuralMemoryConfig:
     qk_norm: bool = True
     learned_init: bool = True
     max_lr: float = 0.01
+    max_update_norm: float = 0.0  # > 0: bound on each chunk's surprise (module docstring); 0 = unbounded
 
     def __post_init__(self):
         if self.gates not in GATE_RULES:
@@ -131,8 +138,8 @@ class NeuralMemoryConfig:
         if self.step_scale != 1.0 and self.gates != "chunk":
             raise ValueError(f"step_scale {self.step_scale} scales the one step per chunk: set gates='chunk' "
                              "(per-token updates take their step size from theta)")
-        if self.conv_kernel < 0 or self.checkpoint_chunks < 0:
-            raise ValueError("conv_kernel and checkpoint_chunks must be >= 0")
+        if self.conv_kernel < 0 or self.checkpoint_chunks < 0 or self.max_update_norm < 0:
+            raise ValueError("conv_kernel, checkpoint_chunks and max_update_norm must be >= 0")
         if not self.output_proj and self.n_heads * self.head_dim != self.dim:
             raise ValueError(f"a memory without output projection reads n_heads * head_dim = "
                              f"{self.n_heads * self.head_dim} features: set it to dim {self.dim} or output_proj=True")
@@ -204,20 +211,36 @@ def decay_products(log_gate: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(rows[:, None] < rows[None, :], float("-inf")).exp()
 
 
-def token_scan_update(weights, momentum, saved, out, v_c, theta_c, log_eta_c, log_keep_c):
+def clip_surprise(grads, bound: float):
+    """Each weighted gradient sum of `grads` (tensors (B, H, K, in, out)) scaled to Frobenius
+    norm at most `bound` over (in, out); bound 0: unchanged. Returns (grads, number of sums
+    clipped as a 0-dim float tensor)."""
+    if not bound:
+        return grads, grads[0].new_zeros(())
+    clipped, count = [], grads[0].new_zeros(())
+    for g in grads:
+        norm = g.flatten(-2).norm(dim=-1)[..., None, None]  # (B, H, K, 1, 1)
+        clipped.append(g * (bound / norm.clamp_min(bound)))
+        count = count + (norm > bound).sum()
+    return clipped, count
+
+
+def token_scan_update(weights, momentum, saved, out, v_c, theta_c, log_eta_c, log_keep_c, bound: float = 0.0):
     """Titans' per-token rule over one chunk (module docstring): gradients at the chunk-start
-    weights, eta and alpha applied per token. Returns (new weights, new momentum)."""
+    weights, eta and alpha applied per token, the two weighted gradient sums clipped to
+    `bound` (`clip_surprise`). Returns (new weights, new momentum, sums clipped)."""
     eta, keep = decay_products(torch.stack([log_eta_c, log_keep_c])).unbind(0)  # [t, i] = prod_{i<j<=t} eta_j
     to_end = keep[..., -1, :]  # [t] = prod_{t<j<=C} (1 - alpha_j)
     carried = (to_end[..., 1:] * eta[..., 1:, 0]).sum(-1)  # sum_t R_t E_t: the old momentum's share in M_C
     momentum_weights = theta_c * eta[..., -1, 1:]
     weight_weights = theta_c * (to_end[..., None, 1:] @ eta[..., 1:, 1:]).squeeze(-2)
-    grads = associative_grads(weights, saved, out, v_c, torch.stack([momentum_weights, weight_weights], -1))
+    grads, clipped = clip_surprise(
+        associative_grads(weights, saved, out, v_c, torch.stack([momentum_weights, weight_weights], -1)), bound)
     new_weights, new_momentum = [], []
     for w, s, g in zip(weights, momentum, grads):
         new_momentum.append(eta[..., -1, 0, None, None] * s - g[:, :, 0])
         new_weights.append(keep[..., -1, 0, None, None] * w + carried[..., None, None] * s - g[:, :, 1])
-    return tuple(new_weights), tuple(new_momentum)
+    return tuple(new_weights), tuple(new_momentum), clipped
 
 
 class UpdateRule(NamedTuple):
@@ -229,6 +252,7 @@ class UpdateRule(NamedTuple):
     read_after_write: bool = False
     step_scale: float = 1.0
     residual: bool = False
+    max_update_norm: float = 0.0
 
 
 def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c, rule: UpdateRule):
@@ -236,7 +260,7 @@ def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c,
     `rule.read_after_write`, the state after this chunk's write), and the chunk is written.
     q_c, k_c, v_c (B, H, C, d); theta_c, log_eta_c, log_keep_c (B, H, C). Reading before
     the write, queries and keys go through M together (one matmul per layer). Returns
-    (y_c, new weights, new momentum)."""
+    (y_c, new weights, new momentum, surprise sums clipped (0-dim))."""
     size = q_c.shape[2]
     if rule.read_after_write:
         out_k, saved = mlp_forward(weights, k_c, rule.residual)
@@ -245,16 +269,18 @@ def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c,
         saved = [(inp[:, :, size:], pre[:, :, size:]) for inp, pre in saved_both]
         y_c, out_k = both[:, :, :size], both[:, :, size:]
     if rule.gates == "token":
-        weights, momentum = token_scan_update(weights, momentum, saved, out_k, v_c, theta_c, log_eta_c, log_keep_c)
+        weights, momentum, clipped = token_scan_update(weights, momentum, saved, out_k, v_c, theta_c, log_eta_c,
+                                                       log_keep_c, rule.max_update_norm)
     else:
-        grads = associative_grads(weights, saved, out_k, v_c, theta_c[..., None])
+        grads, clipped = clip_surprise(associative_grads(weights, saved, out_k, v_c, theta_c[..., None]),
+                                       rule.max_update_norm)
         eta, alpha = log_eta_c.exp().mean(-1), 1 - log_keep_c.exp().mean(-1)
         updated = [kernel_memory_update(w, s, g[:, :, 0], eta, alpha, rule.ns_steps, rule.backend, rule.step_scale)
                    for w, s, g in zip(weights, momentum, grads)]
         weights, momentum = tuple(w for w, _ in updated), tuple(s for _, s in updated)
     if rule.read_after_write:
         y_c = mlp_forward(weights, q_c, rule.residual)[0]
-    return y_c, weights, momentum
+    return y_c, weights, momentum, clipped
 
 
 @functools.cache
@@ -282,19 +308,20 @@ def compiled_chunk_step():
 
 def run_chunks(step, weights, momentum, chunks, rule: UpdateRule):
     """Apply `step` to each chunk's (q, k, v, theta, log_eta, log_keep) in order.
-    Returns (the chunks' reads, final weights, final momentum)."""
-    outputs = []
+    Returns (the chunks' reads, final weights, final momentum, surprise sums clipped)."""
+    outputs, clipped = [], weights[0].new_zeros(())
     for chunk_inputs in chunks:
-        y_c, weights, momentum = step(weights, momentum, *chunk_inputs, rule)
+        y_c, weights, momentum, clipped_c = step(weights, momentum, *chunk_inputs, rule)
         outputs.append(y_c)
-    return outputs, weights, momentum
+        clipped = clipped + clipped_c.detach()
+    return outputs, weights, momentum, clipped
 
 
 def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk: int,
                    rule: UpdateRule = UpdateRule(), compiled: bool = False, checkpoint_chunks: int = 0):
     """Read and write a stream. q (B, H, T, d) are the new tokens' queries; k, v, theta,
     log_eta, log_keep cover pending + new tokens (p + T). Returns y (B, H, T, d), new state
-    (its `conv` unchanged)."""
+    (its `conv` unchanged), the share of surprise sums clipped (`rule.max_update_norm`; 0-dim)."""
     pending = state.pending[0].shape[2]
     q = F.pad(q, (0, 0, pending, 0))  # placeholder queries for the pending tokens
     total = q.shape[2]
@@ -309,17 +336,19 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     weights, momentum = state.weights, state.momentum
     step = compiled_chunk_step() if compiled else chunk_step
     group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else len(chunks)
-    outputs = []
+    outputs, clipped = [], q.new_zeros(())
     for start in range(0, len(chunks), max(group, 1)):
         args = (step, weights, momentum, chunks[start : start + group], rule)
-        ys, weights, momentum = checkpoint(run_chunks, *args, use_reentrant=False) if group < len(chunks) \
-            else run_chunks(*args)
+        ys, weights, momentum, clipped_group = checkpoint(run_chunks, *args, use_reentrant=False) \
+            if group < len(chunks) else run_chunks(*args)
         outputs += ys
+        clipped = clipped + clipped_group.detach()
     if full < total:
         outputs.append(mlp_forward(weights, q[:, :, full:], rule.residual)[0])
     y = torch.cat(outputs, 2)[:, :, pending:]
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
-    return y, state._replace(weights=weights, momentum=momentum, pending=new_pending)
+    sums = len(chunks) * sum(w.shape[0] * w.shape[1] for w in weights) * (2 if rule.gates == "token" else 1)
+    return y, state._replace(weights=weights, momentum=momentum, pending=new_pending), clipped / max(sums, 1)
 
 
 class NeuralMemory(nn.Module):
@@ -448,16 +477,17 @@ class NeuralMemory(nn.Module):
         new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
         rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale,
-                          cfg.residual)
-        y, state = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule, cfg.compiled_chunk_step,
-                                  cfg.checkpoint_chunks)
-        self._note_stats(start_weights, state, new[2:])
+                          cfg.residual, cfg.max_update_norm)
+        y, state, clipped_share = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule,
+                                                 cfg.compiled_chunk_step, cfg.checkpoint_chunks)
+        self._note_stats(start_weights, state, new[2:], clipped_share)
         return self._output(y, x), state._replace(conv=conv)
 
-    def _note_stats(self, start_weights, state: MemoryState, gates) -> None:
+    def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor) -> None:
         """Diagnostics of the last forward (detached scalars): Frobenius norms over all fast
-        weights / momenta, the update-to-weight ratio ||M_end - M_start|| / ||M_start||, and
-        the means of theta, eta and alpha over the new tokens."""
+        weights / momenta, the update-to-weight ratio ||M_end - M_start|| / ||M_start||, the
+        means of theta, eta and alpha over the new tokens, and with `max_update_norm` the
+        share of surprise sums it clipped."""
         with torch.no_grad():
             def norm(tensors):
                 return torch.stack([t.float().norm() for t in tensors]).norm()
@@ -469,3 +499,5 @@ class NeuralMemory(nn.Module):
                 "update_ratio": norm([a - b for a, b in zip(state.weights, start_weights)]) / start.clamp_min(1e-12),
                 "theta_mean": theta.mean(), "eta_mean": log_eta.exp().mean(), "alpha_mean": 1 - log_keep.exp().mean(),
             }
+            if self.cfg.max_update_norm:
+                self.last_stats["clipped_share"] = clipped_share
