@@ -143,3 +143,54 @@ def test_the_readmes_32_gpu_run_passes_preflight(tokenizer_dir, tmp_path, monkey
     config = cli.parse(args + ["--hf_assets_path", str(tokenizer_dir)])
     preflight.check(config, world=32)
     assert preflight.fitted_local_batch(config, 32, explicit=False) == 4  # as the README says
+
+
+def bad_data_files(folder):
+    """{case: (file, expected message part)}: one bad row each, in files the test writes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    good = '{"text": "a good row"}\n'
+    cases = {
+        "not_json": ("rows.jsonl", good + '{"text": "cut here\n', "line 2: not JSON"),
+        "no_text": ("rows.jsonl", good + good + '{"body": "no text"}\n', "line 3: no string 'text' field"),
+        "not_utf8": ("rows.jsonl", good.encode() + b'{"text": "caf\xe9"}\n', "line 2: byte 13 is not UTF-8"),
+        "empty": ("rows.jsonl", "", "is empty"),
+        "txt_not_utf8": ("doc.txt", b"plain \xff text", "byte 6: not UTF-8"),
+        "json_array": ("rows.json", '[{"text": "a"}, {"title": "b"}]', "element 1: no string 'text' field"),
+    }
+    paths = {}
+    for case, (name, content, expected) in cases.items():
+        (folder / case).mkdir()
+        path = folder / case / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        paths[case] = (path, expected)
+    (folder / "no_column").mkdir()
+    pq.write_table(pa.table({"body": ["x", "y"]}), folder / "no_column" / "rows.parquet")
+    paths["no_column"] = (folder / "no_column" / "rows.parquet", "has no 'text' column")
+    return paths
+
+
+def test_bad_data_rows_are_named_by_file_and_row(tmp_path):
+    from torchtitan_ext.data.datasets import check_local_rows
+
+    for case, (path, expected) in bad_data_files(tmp_path / "data").items():
+        with pytest.raises(UserError) as raised:
+            check_local_rows(path.parent)
+        message = str(raised.value)
+        assert expected in message and str(path) in message and "\n" not in message, (case, message)
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "one"}\n\n{"text": "two", "id": 3}\n')
+    check_local_rows(good)
+
+
+def test_the_launchers_preflight_stops_on_a_bad_row_with_one_line_and_exit_2(tokenizer_dir, tmp_path):
+    path, expected = bad_data_files(tmp_path / "data")["not_json"]
+    run = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "torchtitan_ext.training.preflight", *DEBUG,
+                          "--dataloader.dataset", "local", "--dataloader.dataset_path", str(path),
+                          "--dump_folder", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: dataset file '{path}' {expected} (")
+    assert lines[0].endswith("fix or remove it, or pass another --dataloader.dataset_path")

@@ -11,6 +11,11 @@ and iterator state saved in checkpoints. This module only adds sources:
 | `fineweb_edu` | `HuggingFaceFW/fineweb-edu`, streamed; `dataset_path` may be `repo:subset` (default subset `sample-10BT`) or a local folder/file of parquet shards with its schema |
 | `local` | `dataset_path` = a .txt/.jsonl/.json/.parquet file or a folder of them; a `text` column (one .txt file = one document) |
 
+A local dataset's rows are checked before training (`check_local_rows`, run by the
+launcher's preflight): an empty file, a .jsonl line that is not JSON or has no string `text`
+field, bytes that are not UTF-8, or a parquet file without a `text` column end the run with
+one line naming the file and the row, exit 2.
+
 Each has a `<name>_validation` twin. The held-out split is by content: a document is
 held out when `crc32(text) % 1000 < HELDOUT_PER_MILLE[name]`, so train and
 validation never share a document, on any number of ranks, streaming or not.
@@ -18,6 +23,7 @@ validation never share a document, on any number of ranks, streaming or not.
 
 from __future__ import annotations
 
+import json
 import zlib
 from functools import partial
 from pathlib import Path
@@ -54,6 +60,63 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
             f"dataset path '{path}' must be one .txt/.jsonl/.json/.parquet file or a folder of one kind of them"
         )
     return kinds.pop(), [str(p) for p in files]
+
+
+def _bad_row(file: Path, where: str, problem: str) -> UserError:
+    return UserError(f"dataset file '{file}' {where}: {problem}: fix or remove it, or pass another --dataloader.dataset_path")
+
+
+def _check_json_lines(file: Path) -> None:
+    """Every non-blank line of a JSON-lines file is a JSON object with a string `text` (UTF-8)."""
+    with file.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _bad_row(file, f"line {number}", f"byte {e.start} is not UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _bad_row(file, f"line {number}", f"not JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise _bad_row(file, f"line {number}", "no string 'text' field")
+
+
+def check_local_rows(path: Path) -> None:
+    """UserError naming the file and the row of the first row training could not read, in a
+    local dataset (a file or folder, `_local_files`): an empty file, non-UTF-8 bytes, a JSON
+    line that does not parse or lacks a string `text`, a .json array element without one, a
+    parquet file without a `text` column or without rows. Reads every text / JSON row once;
+    for parquet only the footer."""
+    builder, files = _local_files(path)
+    for file in map(Path, files):
+        if file.stat().st_size == 0:
+            raise _bad_row(file, "is empty", "no rows")
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            parquet = pq.ParquetFile(file)
+            if "text" not in parquet.schema_arrow.names:
+                raise _bad_row(file, "has no 'text' column", f"columns {parquet.schema_arrow.names}")
+            if parquet.metadata.num_rows == 0:
+                raise _bad_row(file, "is empty", "no rows")
+        elif builder == "text":
+            try:
+                file.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _bad_row(file, f"byte {e.start}", "not UTF-8") from None
+        elif file.suffix == ".json" and file.read_bytes().lstrip()[:1] == b"[":
+            try:
+                rows = json.loads(file.read_bytes().decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise _bad_row(file, "as a whole", f"not a UTF-8 JSON array ({e})") from None
+            for number, row in enumerate(rows):
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise _bad_row(file, f"element {number}", "no string 'text' field")
+        else:
+            _check_json_lines(file)
 
 
 def load_local(path: str, validation: bool = False, per_mille: int = HELDOUT_PER_MILLE["local"]):

@@ -62,7 +62,9 @@ def check_dump_folder(folder: str) -> None:
         raise UserError(f"dump folder '{folder}' is not writable ({e.strerror}): pass --dump_folder <writable folder>") from None
 
 
-def check_dataset(dataloader_config, flag: str) -> None:
+def check_dataset(dataloader_config, flag: str, rows: bool = False) -> None:
+    """The dataset is registered and its local path exists; with `rows`, every row of a local
+    dataset is readable (`datasets.check_local_rows`: the launcher's check, run once)."""
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     import torchtitan_ext.data.datasets as datasets
@@ -77,6 +79,8 @@ def check_dataset(dataloader_config, flag: str) -> None:
         datasets._local_files(Path(path))
     elif name.startswith("fineweb_edu") and path.startswith(("/", ".", "~")) and not os.path.exists(path):
         raise UserError(f"dataset path '{path}' does not exist: pass --{flag}.dataset_path <existing folder of parquet shards>")
+    if rows and (name.startswith("local") or (name.startswith("fineweb_edu") and os.path.exists(path))):
+        datasets.check_local_rows(Path(path))
 
 
 def check_tokenizer(config) -> None:
@@ -143,18 +147,19 @@ def check_model_builds(config) -> None:
         raise UserError(f"the model of {config.model_spec.name} does not build: {e}") from None
 
 
-def check(config, world: int | None = None, explicit_local_batch: bool = False) -> None:
+def check(config, world: int | None = None, explicit_local_batch: bool = False, rows: bool = False) -> None:
     """Raise a one-line UserError for the first problem of `config` run on `world` ranks
-    (default: `world_size()`)."""
+    (default: `world_size()`); `rows`: read every row of a local dataset too (the launcher's
+    check; the ranks skip it)."""
     from torchtitan_ext.families.plain_model import check_seq_len
 
     fitted_local_batch(config, world_size() if world is None else world, explicit_local_batch)
     check_seq_len(config)
     check_model_builds(config)
     check_dump_folder(config.dump_folder)
-    check_dataset(config.dataloader, "dataloader")
+    check_dataset(config.dataloader, "dataloader", rows)
     if config.validator.enable:
-        check_dataset(config.validator.dataloader, "validator.dataloader")
+        check_dataset(config.validator.dataloader, "validator.dataloader", rows)
     check_family(config)
     check_tokenizer(config)
     check_initial_hf_checkpoint(config)
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     cpu.apply()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        check(parse(argv), explicit_local_batch=option_value(argv, "--training.local_batch_size") is not None)
+        check(parse(argv), explicit_local_batch=option_value(argv, "--training.local_batch_size") is not None, rows=True)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
