@@ -213,10 +213,10 @@ def decay_products(log_gate: torch.Tensor) -> torch.Tensor:
 
 def clip_surprise(grads, bound: float):
     """Each weighted gradient sum of `grads` (tensors (B, H, K, in, out)) scaled to Frobenius
-    norm at most `bound` over (in, out); bound 0: unchanged. Returns (grads, number of sums
-    clipped as a 0-dim float tensor)."""
+    norm at most `bound` over (in, out). Returns (grads, number of sums clipped as a 0-dim
+    float tensor); bound 0: (grads unchanged, None), no op added to the step."""
     if not bound:
-        return grads, grads[0].new_zeros(())
+        return grads, None
     clipped, count = [], grads[0].new_zeros(())
     for g in grads:
         norm = g.flatten(-2).norm(dim=-1)[..., None, None]  # (B, H, K, 1, 1)
@@ -260,7 +260,7 @@ def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c,
     `rule.read_after_write`, the state after this chunk's write), and the chunk is written.
     q_c, k_c, v_c (B, H, C, d); theta_c, log_eta_c, log_keep_c (B, H, C). Reading before
     the write, queries and keys go through M together (one matmul per layer). Returns
-    (y_c, new weights, new momentum, surprise sums clipped (0-dim))."""
+    (y_c, new weights, new momentum, surprise sums clipped (0-dim; None without a bound))."""
     size = q_c.shape[2]
     if rule.read_after_write:
         out_k, saved = mlp_forward(weights, k_c, rule.residual)
@@ -313,7 +313,8 @@ def run_chunks(step, weights, momentum, chunks, rule: UpdateRule):
     for chunk_inputs in chunks:
         y_c, weights, momentum, clipped_c = step(weights, momentum, *chunk_inputs, rule)
         outputs.append(y_c)
-        clipped = clipped + clipped_c.detach()
+        if clipped_c is not None:
+            clipped = clipped + clipped_c.detach()
     return outputs, weights, momentum, clipped
 
 
