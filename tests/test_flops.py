@@ -25,7 +25,7 @@ from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
 from models.grafts.memory_llama import THESIS_MEMORY
 from torchtitan_ext import flops
-from torchtitan_ext.families import backbone, families, gradmem, mela, titans, training_flops_per_token
+from torchtitan_ext.families import backbone, families, family_of_config, gradmem, mela, titans
 
 # seq_len per family: Titans at its window (64 = 4 memory chunks of 16), Mela at 4 decoder
 # chunks of P * C = 64, the MLP-FFN LM at 128. GradMem's rows are [context | read]: its own test below.
@@ -63,7 +63,7 @@ def measured_flops_per_token(model_cls, config, seq_len: int) -> float:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_count_matches_flop_counter_over_a_training_step(name):
     model_cls, config, seq_len = CASES[name]
-    ratio = training_flops_per_token(config, seq_len, 0) / measured_flops_per_token(model_cls, config, seq_len)
+    ratio = family_of_config(config).flops_per_token(config, seq_len) / measured_flops_per_token(model_cls, config, seq_len)
     assert abs(ratio - 1) < 0.1, ratio
 
 
@@ -111,4 +111,4 @@ def test_gradmem_count_matches_flop_counter_over_a_training_step(name):
         (logits.logsumexp(-1).mean() + write_loss.sum()).backward()
     measured = counter.get_total_flops() / (context + read)
     assert abs(gradmem.row_flops(config, context, read) / measured - 1) < 0.01
-    assert abs(training_flops_per_token(config, context + read, 0) / measured - 1) < 0.1
+    assert abs(family_of_config(config).flops_per_token(config, context + read) / measured - 1) < 0.1

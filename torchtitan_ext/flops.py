@@ -2,7 +2,8 @@
 per-product counts, attention spans, the neural memory's work per token, a decoder block's
 linears. Each family's own count lives beside its registry entry, as `flops_per_token(config,
 seq_len)` in `torchtitan_ext/families/<family>.py` (e.g. `torchtitan_ext.families.titans.flops_per_token`);
-`torchtitan_ext.families.training_flops_per_token` picks it, or 6 x parameters where a family has none.
+the torchtitan model class (`families/plain_model.py`) calls it, or counts 6 x parameters where a
+family has none.
 
 torchtitan's dense estimate (6N + attention) fits a Transformer, not a memory model: Mela's
 HMM runs at patch rate through H*L + H module steps (the first H-1 cycles forward only), and

@@ -58,7 +58,6 @@ GRAFT_KINDS = {
     "memoryllama": GraftKind(MemoryLlamaConfig, MemoryLlamaBlock),
     "mone": GraftKind(MoNeConfig, lambda block, dim, cfg: MoNeBlock(block, cfg)),
 }
-KINDS = tuple(GRAFT_KINDS)
 TRAINS = ("graft", "all")
 
 
@@ -75,7 +74,7 @@ class GraftConfig:
         if isinstance(self.lora, dict):
             self.lora = LoRAConfig(**self.lora)
         if self.kind not in GRAFT_KINDS:
-            raise ValueError(f"graft kind '{self.kind}' unknown: choose one of {KINDS}")
+            raise ValueError(f"graft kind '{self.kind}' unknown: choose one of {tuple(GRAFT_KINDS)}")
         memory_config = GRAFT_KINDS[self.kind].memory_config
         if isinstance(self.memory, dict) and memory_config is not None:
             self.memory = memory_config(**self.memory)

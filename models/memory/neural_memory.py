@@ -308,8 +308,9 @@ def compiled_chunk_step():
 
 def run_chunks(step, weights, momentum, chunks, rule: UpdateRule):
     """Apply `step` to each chunk's (q, k, v, theta, log_eta, log_keep) in order.
-    Returns (the chunks' reads, final weights, final momentum, surprise sums clipped)."""
-    outputs, clipped = [], weights[0].new_zeros(())
+    Returns (the chunks' reads, final weights, final momentum, surprise sums clipped: 0
+    without a bound, no tensor op added)."""
+    outputs, clipped = [], 0
     for chunk_inputs in chunks:
         y_c, weights, momentum, clipped_c = step(weights, momentum, *chunk_inputs, rule)
         outputs.append(y_c)
@@ -322,7 +323,8 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
                    rule: UpdateRule = UpdateRule(), compiled: bool = False, checkpoint_chunks: int = 0):
     """Read and write a stream. q (B, H, T, d) are the new tokens' queries; k, v, theta,
     log_eta, log_keep cover pending + new tokens (p + T). Returns y (B, H, T, d), new state
-    (its `conv` unchanged), the share of surprise sums clipped (`rule.max_update_norm`; 0-dim)."""
+    (its `conv` unchanged), the share of surprise sums clipped (0-dim; None without
+    `rule.max_update_norm`)."""
     pending = state.pending[0].shape[2]
     q = F.pad(q, (0, 0, pending, 0))  # placeholder queries for the pending tokens
     total = q.shape[2]
@@ -337,19 +339,20 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     weights, momentum = state.weights, state.momentum
     step = compiled_chunk_step() if compiled else chunk_step
     group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else len(chunks)
-    outputs, clipped = [], q.new_zeros(())
+    outputs, clipped = [], 0
     for start in range(0, len(chunks), max(group, 1)):
         args = (step, weights, momentum, chunks[start : start + group], rule)
         ys, weights, momentum, clipped_group = checkpoint(run_chunks, *args, use_reentrant=False) \
             if group < len(chunks) else run_chunks(*args)
         outputs += ys
-        clipped = clipped + clipped_group.detach()
+        clipped = clipped + clipped_group
     if full < total:
         outputs.append(mlp_forward(weights, q[:, :, full:], rule.residual)[0])
     y = torch.cat(outputs, 2)[:, :, pending:]
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
     sums = len(chunks) * sum(w.shape[0] * w.shape[1] for w in weights) * (2 if rule.gates == "token" else 1)
-    return y, state._replace(weights=weights, momentum=momentum, pending=new_pending), clipped / max(sums, 1)
+    share = clipped / max(sums, 1) if rule.max_update_norm else None
+    return y, state._replace(weights=weights, momentum=momentum, pending=new_pending), share
 
 
 class NeuralMemory(nn.Module):
@@ -484,7 +487,7 @@ class NeuralMemory(nn.Module):
         self._note_stats(start_weights, state, new[2:], clipped_share)
         return self._output(y, x), state._replace(conv=conv)
 
-    def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor) -> None:
+    def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor | None) -> None:
         """Diagnostics of the last forward (detached scalars): Frobenius norms over all fast
         weights / momenta, the update-to-weight ratio ||M_end - M_start|| / ||M_start||, the
         means of theta, eta and alpha over the new tokens, and with `max_update_norm` the
@@ -500,5 +503,5 @@ class NeuralMemory(nn.Module):
                 "update_ratio": norm([a - b for a, b in zip(state.weights, start_weights)]) / start.clamp_min(1e-12),
                 "theta_mean": theta.mean(), "eta_mean": log_eta.exp().mean(), "alpha_mean": 1 - log_keep.exp().mean(),
             }
-            if self.cfg.max_update_norm:
+            if clipped_share is not None:
                 self.last_stats["clipped_share"] = clipped_share

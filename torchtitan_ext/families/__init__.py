@@ -141,13 +141,6 @@ def family_of_config(config) -> Family:
     raise ValueError(f"{type(config).__name__} is the config of no registered family")
 
 
-def training_flops_per_token(config, seq_len: int, n_params: int) -> float:
-    """Training FLOPs per token of a plain model config: its family's count
-    (`Family.flops_per_token`), or the dense 6 x parameters where the family has none."""
-    count = family_of_config(config).flops_per_token
-    return count(config, seq_len) if count else 6.0 * n_params
-
-
 def family_of_config_function(function: str) -> Family:
     """The family whose train_configs module defines `function` (e.g. `titans_mac_debug`)."""
     for family in families().values():
