@@ -78,7 +78,6 @@ Shapes: tokens (B, T) -> logits (B, T, vocab_size).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -96,9 +95,11 @@ MEMORY_CHAINS = ("per_step", "per_block")
 
 
 def mela_memory(**overrides) -> NeuralMemoryConfig:
-    """Mela's neural-memory options (module docstring); `overrides` set any other field."""
+    """Mela's neural-memory options (module docstring), the fields MelaConfig sets left unset
+    (`MelaConfig.block_memory`); `overrides` set any other field."""
     return NeuralMemoryConfig(**dict(gates="chunk", conv_kernel=0, value_silu=False, output_norm=False,
-                                     output_gate=False) | overrides)
+                                     output_gate=False, chunk_size=None, newton_schulz_steps=None, step_scale=None,
+                                     read_after_write=None) | overrides)
 
 
 @dataclass
@@ -160,11 +161,17 @@ class MelaConfig:
         if self.memory_dim % self.memory_heads or self.dim % self.n_heads:
             raise ValueError(f"memory_dim {self.memory_dim} must divide by memory_heads {self.memory_heads} "
                              f"and dim {self.dim} by n_heads {self.n_heads}")
-        self.memory = dataclasses.replace(
-            self.memory, dim=self.memory_dim, n_heads=self.memory_heads, head_dim=self.memory_dim // self.memory_heads,
+        self.block_memory  # a conflicting memory field ends here
+
+    @property
+    def block_memory(self) -> NeuralMemoryConfig:
+        """The neural memory each memory block builds: `memory` with the HMM's width and
+        heads, the chunk C, the Newton-Schulz steps, the step scale and the read order set
+        here (`NeuralMemoryConfig.filled_by` refuses a conflicting value set on `memory`)."""
+        return self.memory.filled_by(
+            "MelaConfig", dim=self.memory_dim, n_heads=self.memory_heads, head_dim=self.memory_dim // self.memory_heads,
             chunk_size=self.chunk_size, newton_schulz_steps=self.newton_schulz_steps,
-            step_scale=self.memory_step_scale, read_after_write=self.memory_read == "after_write",
-        )
+            step_scale=self.memory_step_scale, read_after_write=self.memory_read == "after_write")
 
     @property
     def head_dim(self) -> int:
@@ -251,7 +258,7 @@ class MemoryBlock(nn.Module):
                                        gated=cfg.attention_gating)
         if cfg.neural_memory:
             self.memory_norm = nn.RMSNorm(m, eps=cfg.norm_eps)
-            self.memory = NeuralMemory(cfg.memory)
+            self.memory = NeuralMemory(cfg.block_memory)
 
     def forward(self, x: torch.Tensor, state: MemoryState | None):
         """x (B, N_p, m) with N_p a multiple of C; state of the neural memory (None: fresh)."""

@@ -40,7 +40,6 @@ Shapes: tokens (B, T) -> logits (B, T, vocab_size).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -67,7 +66,7 @@ class TitansConfig:
     window: int = 64  # sliding-window size; MAC segment length
     n_persistent: int = 4
     gate: str = "paper"  # MAC / MAG output gate: "paper" (normalised branches, non-linear gate) or "convex"
-    # The memory's own options; dim / n_heads / head_dim are filled in from the model's.
+    # The memory's own options; dim / n_heads / head_dim are the model's (`block_memory`): leave them unset.
     memory: NeuralMemoryConfig = field(default_factory=lambda: NeuralMemoryConfig(chunk_size=16))
     rope_theta: float = 10000.0
     max_seq_len: int = 131072
@@ -83,7 +82,12 @@ class TitansConfig:
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} must divide by n_heads {self.n_heads}")
         self.ffn_hidden = self.ffn_hidden or swiglu_hidden(self.dim)
-        self.memory = dataclasses.replace(self.memory, dim=self.dim, n_heads=self.n_heads, head_dim=self.head_dim)
+        self.block_memory  # a conflicting memory.dim / n_heads / head_dim ends here
+
+    @property
+    def block_memory(self) -> NeuralMemoryConfig:
+        """The memory each block builds: `memory` with the model's width and heads."""
+        return self.memory.filled_by("TitansConfig", dim=self.dim, n_heads=self.n_heads, head_dim=self.head_dim)
 
     @property
     def head_dim(self) -> int:
@@ -192,7 +196,7 @@ class TitansBlock(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.memory_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.memory = NeuralMemory(cfg.memory)
+        self.memory = NeuralMemory(cfg.block_memory)
         if cfg.variant != "lmm":
             self.attention = PersistentAttention(cfg)
         if cfg.variant == "mal":

@@ -85,6 +85,7 @@ Choices where the papers are silent (tested):
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -97,22 +98,28 @@ from kernels import bounded_compile
 from kernels import memory_update as kernel_memory_update
 
 GATE_RULES = ("token", "chunk")
+# the fields an owning model may leave None in its nested memory config and set (`filled_by`)
+OWNER_FIELDS = ("dim", "n_heads", "head_dim", "chunk_size", "newton_schulz_steps", "step_scale", "read_after_write")
 FORGET_LOGIT_OFFSET = -4.0  # alpha = sigmoid(logit - 4): a fresh memory forgets ~1.8% per token
 
 
 @dataclass
 class NeuralMemoryConfig:
-    dim: int = 256
-    n_heads: int = 4
-    head_dim: int = 64
+    """The memory's options. A field left None is set by the model that owns the memory
+    (`filled_by`: Titans sets dim / n_heads / head_dim, Mela those and its chunk, step and
+    read options); a memory built on its own must set dim, n_heads and head_dim."""
+
+    dim: int | None = None
+    n_heads: int | None = None
+    head_dim: int | None = None
     depth: int = 2
     expansion: int = 4
-    chunk_size: int = 64
+    chunk_size: int | None = 64
     momentum: bool = True
     forget: bool = True
     gates: str = "token"  # "token": per-token scan (Titans 3.2); "chunk": one step per chunk (needed by NS)
-    newton_schulz_steps: int = 0  # 0: plain update (Titans); 5: Mela eq. 10 (needs gates="chunk")
-    step_scale: float = 1.0  # learning rate on the chunk step: M = (1-alpha) M + step_scale NS(S) (gates="chunk")
+    newton_schulz_steps: int | None = 0  # 0: plain update (Titans); 5: Mela eq. 10 (needs gates="chunk")
+    step_scale: float | None = 1.0  # learning rate on the chunk step: M = (1-alpha) M + step_scale NS(S) (gates="chunk")
     conv_kernel: int = 4  # causal depthwise conv after the q/k/v projections; 0 = none
     value_silu: bool = True
     output_norm: bool = True
@@ -120,7 +127,7 @@ class NeuralMemoryConfig:
     kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled
     compiled_chunk_step: bool = False  # torch.compile each chunk step (CPU fast path; two graphs per new shape)
     checkpoint_chunks: int = 0  # recompute groups of this many chunks in backward; 0 = keep every chunk's tensors
-    read_after_write: bool = False  # a chunk reads the state after its own write (Mela's HMM; whole chunks only)
+    read_after_write: bool | None = False  # a chunk reads the state after its own write (Mela's HMM; whole chunks only)
     residual: bool = False  # M(x) = x + MLP(x) (docstring)
     output_proj: bool = True  # False: no output projection (needs n_heads * head_dim == dim)
     state_dtype: str | None = None  # None: float32 (float64 for float64 activations); e.g. "bfloat16" to measure
@@ -135,14 +142,31 @@ class NeuralMemoryConfig:
         if self.newton_schulz_steps and self.gates == "token":
             raise ValueError("Newton-Schulz momentum (newton_schulz_steps > 0) orthogonalises one step per chunk: "
                              "set gates='chunk' (or newton_schulz_steps=0)")
-        if self.step_scale != 1.0 and self.gates != "chunk":
+        if self.step_scale not in (None, 1.0) and self.gates != "chunk":
             raise ValueError(f"step_scale {self.step_scale} scales the one step per chunk: set gates='chunk' "
                              "(per-token updates take their step size from theta)")
         if self.conv_kernel < 0 or self.checkpoint_chunks < 0 or self.max_update_norm < 0:
             raise ValueError("conv_kernel, checkpoint_chunks and max_update_norm must be >= 0")
-        if not self.output_proj and self.n_heads * self.head_dim != self.dim:
+        if not self.output_proj and None not in (self.n_heads, self.head_dim) and self.n_heads * self.head_dim != self.dim:
             raise ValueError(f"a memory without output projection reads n_heads * head_dim = "
                              f"{self.n_heads * self.head_dim} features: set it to dim {self.dim} or output_proj=True")
+
+    def filled_by(self, owner: str, **values) -> "NeuralMemoryConfig":
+        """This config with the fields its owner sets: a field left None takes the owner's
+        value, one set to the same value passes, and a different explicit value is refused
+        (ValueError naming the field and the owner), so an owner never overwrites a value
+        given on the command line. The owner's stored config keeps its None fields (tyro
+        rebuilds it from them), and the owner calls this where it builds or counts the memory."""
+        for name, value in values.items():
+            mine = getattr(self, name)
+            if mine is not None and mine != value:
+                raise ValueError(f"memory.{name} = {mine} conflicts with {owner}'s {value}: {owner} sets it; "
+                                 f"leave memory.{name} unset and change {owner}'s own field")
+        return dataclasses.replace(self, **values)
+
+    def unset_fields(self) -> list[str]:
+        """The owner-settable fields still None (a memory cannot be built with any)."""
+        return [name for name in OWNER_FIELDS if getattr(self, name) is None]
 
     def layer_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of each memory weight matrix, e.g. depth 2: [(d, e*d), (e*d, d)]."""
@@ -360,6 +384,9 @@ class NeuralMemory(nn.Module):
 
     def __init__(self, cfg: NeuralMemoryConfig):
         super().__init__()
+        if cfg.unset_fields():
+            raise ValueError(f"NeuralMemoryConfig fields {cfg.unset_fields()} are unset: set them, or build the memory "
+                             "through its owner's config (`filled_by`)")
         self.cfg = cfg
         self.last_stats: dict[str, torch.Tensor] = {}
         inner = cfg.n_heads * cfg.head_dim

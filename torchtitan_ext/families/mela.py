@@ -60,7 +60,7 @@ def flops_per_token(cfg: MelaConfig, seq_len: int) -> float:
         block += 2 * flops.linear(m, m) + 2 * flops.linear(m, memory_kv) + flops.attention_span(m, c)
         block += flops.linear(m, m) if cfg.attention_gating else 0
     if cfg.neural_memory:
-        block += flops.neural_memory(cfg.memory)
+        block += flops.neural_memory(cfg.block_memory)
     fusion_in = flops.linear(2 * m, m) + flops.linear(m, m)
     l_step, h_step = fusion_in + cfg.l_layers * block, fusion_in + cfg.h_layers * block
     cycle = cfg.l_cycles * l_step + h_step

@@ -37,7 +37,7 @@ def flops_per_token(cfg: TitansConfig, seq_len: int) -> float:
     """Per token: each block's memory, attention (MAC: keys are the segment's retrieved
     tokens and inputs plus the persistent tokens; MAG/MAL: the window and the persistent
     tokens), gate and SwiGLU FFN; the output head."""
-    d, memory = cfg.dim, cfg.memory
+    d, memory = cfg.dim, cfg.block_memory
     block = flops.neural_memory(memory) + 3 * flops.linear(d, cfg.ffn_hidden)
     if cfg.variant == "mac":
         segment = min(seq_len, cfg.window)
