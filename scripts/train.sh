@@ -12,6 +12,8 @@
 #   LOG_DIR         per-rank stdout/stderr logs [outputs/logs/<date-time>-<pid>]
 #   WANDB_MODE      [offline unless WANDB_API_KEY is set]
 #   SKIP_SETUP=1    skip `scripts/setup.sh` (e.g. on cluster nodes sharing one checkout)
+#   SKIP_PREFLIGHT=1  skip the launcher's checks (every rank runs them again, without the scan
+#                   of local data rows; bad input then fails inside torchrun, not with exit 2)
 # Without an accelerator the run uses gloo and the CPU support in torchtitan_ext/training/cpu.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +32,9 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 NNODES=${NNODES:-1}
 # Bad input ends here with one line and exit code 2, before torchrun starts.
-WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) "$PY" -m torchtitan_ext.training.preflight "$@"
+if [ "${SKIP_PREFLIGHT:-0}" != 1 ]; then
+  WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) "$PY" -m torchtitan_ext.training.preflight "$@"
+fi
 LOG_DIR=${LOG_DIR:-outputs/logs/$(date +%Y%m%d-%H%M%S)-$$}
 mkdir -p "$LOG_DIR"
 

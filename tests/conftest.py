@@ -56,9 +56,13 @@ class Run:
         return f"Run(rc={self.returncode}, tail={self.output[-3000:]!r})"
 
 
-def train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None) -> Run:
-    """Run `bash scripts/train.sh ARGS` (CPU, SKIP_SETUP) and collect its logged losses."""
-    full_env = {**os.environ, "SKIP_SETUP": "1", "NPROC_PER_NODE": str(nproc), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **(env or {})}
+def train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, preflight: bool = False) -> Run:
+    """Run `bash scripts/train.sh ARGS` (CPU, SKIP_SETUP) and collect its logged losses.
+    `preflight`: run the launcher's checks (10 s a call; the ranks run them again anyway),
+    for the tests of its exit 2; scripts/test.sh builds the default tokenizer beforehand, the
+    only thing the launcher's checks would otherwise build before the ranks start."""
+    full_env = {**os.environ, "SKIP_SETUP": "1", "SKIP_PREFLIGHT": str(int(not preflight)), "NPROC_PER_NODE": str(nproc),
+                "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **(env or {})}
     proc = subprocess.run(
         ["bash", str(REPO / "scripts" / "train.sh"), *QUIET, *args],  # a tyro subcommand may end ARGS
         cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
@@ -84,3 +88,9 @@ def streamed(model, tokens: torch.Tensor, splits: list[int]) -> torch.Tensor:
             outputs.append(out)
             start += length
     return torch.cat(outputs, 1)
+
+
+def pytest_collection_modifyitems(items):
+    """Slow (end-to-end) tests first: on scripts/test.sh's two workers the longest files start
+    early instead of leaving one worker alone at the end (otherwise the order is kept)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

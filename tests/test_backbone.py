@@ -244,12 +244,13 @@ def test_an_hf_checkpoint_of_another_shape_stops_before_training(tokenizer_dir, 
     from conftest import train
 
     qwen3_debug_checkpoint(tmp_path / "hf", n_layers=3)
-    run = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--dump_folder", str(tmp_path / "run")])
+    run = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--dump_folder", str(tmp_path / "run")],
+                preflight=True)
     assert run.returncode == 2 and "n_layers=3, the flavor has 4" in run.output.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "checkpoint").exists()
     # torchtitan ignores the initial load while checkpointing is off: refused, not a silent random start
     run = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.no-enable",
-                            "--dump_folder", str(tmp_path / "off")])
+                            "--dump_folder", str(tmp_path / "off")], preflight=True)
     assert run.returncode == 2 and "ignored while checkpointing is off" in run.output.strip().splitlines()[-1]
 
 

@@ -265,7 +265,8 @@ def test_bad_configs_name_the_problem(tokenizer_dir, tmp_path):
         tiny(heads=3)
     with pytest.raises(ValueError, match="MoNe needs heads >= 1, segment >= 1"):
         tiny(segment=0)
-    run = train(["--module", "bad_configs", "--config", "mone_heads_not_dividing", "--dump_folder", str(tmp_path / "run")])
+    run = train(["--module", "bad_configs", "--config", "mone_heads_not_dividing", "--dump_folder", str(tmp_path / "run")],
+                preflight=True)
     assert run.returncode == 2 and run.output.strip().splitlines()[-1].endswith(
         "MoNe heads 3 must divide the query width 256 (n_heads * head_dim) and dim 128")
     assert not (tmp_path / "run").exists()

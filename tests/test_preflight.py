@@ -68,7 +68,7 @@ def test_launcher_exits_2_with_one_line_and_leaves_checkpoints_alone(tokenizer_d
     step = tmp_path / "checkpoint" / "step-10"
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"last good")
-    run = train(DEBUG + ["--dump_folder", str(tmp_path), "--training.seq_len", "999999"])
+    run = train(DEBUG + ["--dump_folder", str(tmp_path), "--training.seq_len", "999999"], preflight=True)
     assert run.returncode == 2
     errors = [line for line in run.output.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: training.seq_len 999999"), run
