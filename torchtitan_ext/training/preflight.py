@@ -152,6 +152,7 @@ def check(config, world: int | None = None, explicit_local_batch: bool = False, 
     (default: `world_size()`); `rows`: read every row of a local dataset too (the launcher's
     check; the ranks skip it)."""
     from torchtitan_ext.families.plain_model import check_seq_len
+    from torchtitan_ext.training.checkpoints import resume_plan
 
     fitted_local_batch(config, world_size() if world is None else world, explicit_local_batch)
     check_seq_len(config)
@@ -163,6 +164,7 @@ def check(config, world: int | None = None, explicit_local_batch: bool = False, 
     check_family(config)
     check_tokenizer(config)
     check_initial_hf_checkpoint(config)
+    resume_plan(config)  # steps to resume from exist, but none is whole: one line here
 
 
 def main(argv: list[str] | None = None) -> None:

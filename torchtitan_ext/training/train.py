@@ -5,7 +5,11 @@ Runs torchtitan 0.3.0's own `torchtitan.train.main` after
 2. the command line parsed (`cli.py`) and checked (`preflight.py`), so that bad input ends
    with one line naming the problem and the fix, and exit code 2, before any work,
 3. fitting the local batch to the data-parallel degree (`preflight.fitted_local_batch`:
-   the global batch is fixed, gradient accumulation makes up the rest).
+   the global batch is fixed, gradient accumulation makes up the rest),
+4. choosing the step to resume from: the newest checkpoint whose files are whole and hold
+   this model (`checkpoints.resume_step`); a damaged newer step (a node that died mid-write:
+   a shard missing or truncated, a `.metadata` that does not parse, another model's shards)
+   is skipped with one warning line naming it and why; none whole: one line, exit 2.
 A non-finite loss stops training with exit code 3; checkpoints already written stay
 valid (torchtitan saves after a completed step, and a DCP step folder without its
 `.metadata` is never loaded).
@@ -33,6 +37,18 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _resume_args(config) -> list[str]:
+    """["--checkpoint.load_step", N] when newer checkpoint steps are damaged and step N is the
+    newest whole one (one warning line each, rank 0), else []."""
+    from torchtitan_ext.training.checkpoints import resume_plan
+
+    step, damaged = resume_plan(config)
+    for reason in damaged:
+        if _rank() == 0:
+            print(f"warning: checkpoint {reason}; resuming from step-{step}", file=sys.stderr, flush=True)
+    return ["--checkpoint.load_step", str(step)] if damaged else []
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cpu.patch_distributed_set_timeout()
@@ -51,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"train: local batch {config.training.local_batch_size} -> {local_batch} sequences to fit the global "
                   f"batch of {config.training.global_batch_size} on {preflight.world_size()} ranks", flush=True)
         argv = [*argv, "--training.local_batch_size", str(local_batch)]
+    try:
+        argv = [*argv, *_resume_args(config)]
+    except UserError as e:
+        _fail(str(e), EXIT_USER_ERROR)
 
     import torchtitan.train
 

@@ -1,0 +1,110 @@
+"""Damaged checkpoints (a node that died mid-write on shared storage): a run resumes from the
+newest whole step with one warning line per damaged newer step; with none whole it stops
+with one line and exit 2; conversion of a damaged step stops with one line, exit 2, nothing
+written. Every case damages a real checkpoint written by a 2-process training run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, train
+from training_runs import CONFIGS
+
+pytestmark = pytest.mark.slow
+
+COMMON = CONFIGS["transformer"] + ["--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
+                                   "--lr_scheduler.total_steps", "20", "--checkpoint.interval", "10",
+                                   "--training.global_batch_size", "4", "--training.steps", "20"]
+
+
+def truncate_shard(step: Path) -> str:
+    shard = sorted(step.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return f"shard '{shard.name}' is truncated"
+
+
+def delete_shard(step: Path) -> str:
+    shard = sorted(step.glob("*.distcp"))[-1]
+    shard.unlink()
+    return f"shard '{shard.name}' is missing"
+
+
+def garble_metadata(step: Path) -> str:
+    (step / ".metadata").write_bytes(b"not a pickle")
+    return ".metadata does not parse"
+
+
+DAMAGES = {"truncated": truncate_shard, "missing": delete_shard, "metadata": garble_metadata}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tokenizer_dir):
+    """An uninterrupted 2-process run of 20 steps, checkpoints at steps 10 and 20."""
+    folder = tmp_path_factory.mktemp("straight")
+    run = train(COMMON + ["--dump_folder", str(folder)], nproc=2)
+    assert run.returncode == 0 and sorted(run.losses) == list(range(1, 21)), run
+    return folder, run.losses
+
+
+def damaged_copy(straight_folder: Path, target: Path, damage) -> str:
+    shutil.copytree(straight_folder, target)
+    return damage(target / "checkpoint" / "step-20")
+
+
+def transformer_state() -> dict:
+    from torchtitan_ext.training.checkpoints import build_model
+
+    return build_model("train_configs.transformer", "transformer_debug", "meta")[0].state_dict()
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGES))
+def test_a_damaged_step_is_skipped_for_the_newest_whole_one_and_refused_by_conversion(case, straight, tmp_path):
+    from torchtitan_ext.training.checkpoints import resume_step
+
+    expected = damaged_copy(straight[0], tmp_path / "run", DAMAGES[case])
+    step, damaged = resume_step(tmp_path / "run" / "checkpoint", transformer_state())
+    assert step == 10 and len(damaged) == 1 and damaged[0].startswith("step-20: ") and expected in damaged[0], damaged
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_to_hf.py"), *CONFIGS["transformer"],
+                           "--checkpoint", str(tmp_path / "run" / "checkpoint" / "step-20"), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_another_models_shards_are_not_a_step_to_resume_from(straight):
+    from torchtitan_ext.training.checkpoints import build_model, resume_step
+
+    mlp_state = build_model("train_configs.mlp_lm", "mlp_lm_debug", "meta")[0].state_dict()
+    step, damaged = resume_step(straight[0] / "checkpoint", mlp_state)
+    assert step is None and len(damaged) == 2 and all("does not hold a model of this config" in d for d in damaged)
+    assert resume_step(straight[0] / "checkpoint", transformer_state()) == (20, [])
+
+
+def test_two_processes_resume_from_the_previous_step_and_match_the_uninterrupted_run(straight, tmp_path):
+    reason = damaged_copy(straight[0], tmp_path / "run", truncate_shard)
+    resumed = train(COMMON + ["--dump_folder", str(tmp_path / "run")], nproc=2)
+    assert resumed.returncode == 0, resumed
+    # rank 0's lines, as torchrun tees them ("[default0]:" prefix)
+    warnings = [line for line in resumed.output.splitlines() if "warning: checkpoint step-20" in line]
+    assert len(warnings) == 1 and reason in warnings[0] and warnings[0].endswith("resuming from step-10"), resumed
+    assert sorted(resumed.losses) == list(range(11, 21))
+    assert resumed.losses == {s: straight[1][s] for s in range(11, 21)}
+
+
+def test_with_no_whole_step_the_run_stops_with_one_line_and_exit_2(straight, tmp_path):
+    damaged_copy(straight[0], tmp_path / "run", garble_metadata)
+    truncate_shard(tmp_path / "run" / "checkpoint" / "step-10")
+    before = {p: p.read_bytes() for p in (tmp_path / "run" / "checkpoint").rglob("*") if p.is_file()}
+    run = train(COMMON + ["--dump_folder", str(tmp_path / "run")], nproc=2, preflight=True)
+    lines = [line for line in run.output.splitlines() if line.strip()]
+    assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: no whole checkpoint to resume"), run
+    assert "step-20" in lines[0] and "step-10" in lines[0]
+    # the damaged files stay as found, for the user to inspect
+    assert {p: p.read_bytes() for p in (tmp_path / "run" / "checkpoint").rglob("*") if p.is_file()} == before
