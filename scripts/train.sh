@@ -45,6 +45,14 @@ else
         --rdzv_id "${RDZV_ID:-mnlm}")
 fi
 echo "train: $NNODES node(s) x $NPROC_PER_NODE process(es); per-rank logs in $LOG_DIR" >&2
-exec .venv/bin/torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
+# Preemption (SIGTERM): the ranks checkpoint their last finished step and rank 0 leaves
+# PREEMPTED_MARKER; this script then exits 75 (rerun to resume; slurm_train.sbatch requeues).
+# The trap keeps this shell alive until torchrun has finished.
+export PREEMPTED_MARKER="$LOG_DIR/preempted"
+trap 'true' TERM
+status=0
+.venv/bin/torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
   --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter 0 \
-  -m torchtitan_ext.training.train "$@"
+  -m torchtitan_ext.training.train "$@" || status=$?
+if [ -f "$PREEMPTED_MARKER" ]; then exit 75; fi
+exit "$status"

@@ -56,17 +56,23 @@ class Run:
         return f"Run(rc={self.returncode}, tail={self.output[-3000:]!r})"
 
 
-def train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, preflight: bool = False) -> Run:
-    """Run `bash scripts/train.sh ARGS` (CPU, SKIP_SETUP) and collect its logged losses.
+def train_env(nproc: int = 1, env: dict | None = None, preflight: bool = False) -> dict:
+    """The environment of a test's `scripts/train.sh` run (CPU, SKIP_SETUP, NPROC_PER_NODE).
     `preflight`: run the launcher's checks (10 s a call; the ranks run them again anyway),
     for the tests of its exit 2; scripts/test.sh builds the default tokenizer beforehand, the
     only thing the launcher's checks would otherwise build before the ranks start."""
-    full_env = {**os.environ, "SKIP_SETUP": "1", "SKIP_PREFLIGHT": str(int(not preflight)), "NPROC_PER_NODE": str(nproc),
-                "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **(env or {})}
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "train.sh"), *QUIET, *args],  # a tyro subcommand may end ARGS
-        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
-    )
+    return {**os.environ, "SKIP_SETUP": "1", "SKIP_PREFLIGHT": str(int(not preflight)), "NPROC_PER_NODE": str(nproc),
+            "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", **(env or {})}
+
+
+def train_command(args: list[str]) -> list[str]:
+    return ["bash", str(REPO / "scripts" / "train.sh"), *QUIET, *args]  # a tyro subcommand may end ARGS
+
+
+def train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, preflight: bool = False) -> Run:
+    """Run `bash scripts/train.sh ARGS` (`train_env`) and collect its logged losses."""
+    proc = subprocess.run(train_command(args), cwd=REPO, env=train_env(nproc, env, preflight), capture_output=True,
+                          text=True, timeout=timeout)
     return Run(proc)
 
 

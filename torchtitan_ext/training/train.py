@@ -10,6 +10,8 @@ Runs torchtitan 0.3.0's own `torchtitan.train.main` after
    this model (`checkpoints.resume_step`); a damaged newer step (a node that died mid-write:
    a shard missing or truncated, a `.metadata` that does not parse, another model's shards)
    is skipped with one warning line naming it and why; none whole: one line, exit 2.
+On SIGTERM (preemption) every rank finishes its step, a checkpoint of it is written and the
+run exits with code 75 (`preemption.py`); rerunning the command resumes there.
 A non-finite loss stops training with exit code 3; checkpoints already written stay
 valid (torchtitan saves after a completed step, and a DCP step folder without its
 `.metadata` is never loaded).
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-from torchtitan_ext.training import cpu
+from torchtitan_ext.training import cpu, preemption
 from torchtitan_ext.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     import torchtitan.train
 
     sys.argv = [sys.argv[0], *argv]
+    preemption.install()
     try:
         torchtitan.train.main()
     except UserError as e:
@@ -84,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _fail(f"{e} Checkpoints written before this step are intact; lower --optimizer.lr or "
               "check the data, then resume.", EXIT_NON_FINITE_LOSS)
+    if preemption.stopped_at() is not None:
+        preemption.report(_rank())
+        sys.exit(preemption.EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,25 @@
-"""Damaged checkpoints (a node that died mid-write on shared storage): a run resumes from the
-newest whole step with one warning line per damaged newer step; with none whole it stops
-with one line and exit 2; conversion of a damaged step stops with one line, exit 2, nothing
-written. Every case damages a real checkpoint written by a 2-process training run."""
+"""Faults a cluster throws, injected into a real 2-process training run or its checkpoints.
+
+- Damaged checkpoints (a node that died mid-write on shared storage): a run resumes from the
+  newest whole step with one warning line per damaged newer step; with none whole it stops
+  with one line and exit 2; conversion of a damaged step stops with one line, exit 2,
+  nothing written.
+- Preemption (SIGTERM to every process of the run, as SLURM sends it): a checkpoint of the
+  last finished step, exit 75, and the rerun continues bit for bit."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, train
+from conftest import REPO, train, train_command, train_env
+from torchtitan_ext.training.run_log import parse_steps
 from training_runs import CONFIGS
 
 pytestmark = pytest.mark.slow
@@ -108,3 +115,40 @@ def test_with_no_whole_step_the_run_stops_with_one_line_and_exit_2(straight, tmp
     assert "step-20" in lines[0] and "step-10" in lines[0]
     # the damaged files stay as found, for the user to inspect
     assert {p: p.read_bytes() for p in (tmp_path / "run" / "checkpoint").rglob("*") if p.is_file()} == before
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for p in frontier for c in parents.get(p, [])]
+        found += children
+        frontier = children
+    return found
+
+
+def test_sigterm_checkpoints_the_last_step_exits_75_and_the_rerun_continues_bit_for_bit(straight, tmp_path):
+    folder = tmp_path / "run"
+    proc = subprocess.Popen(train_command(COMMON + ["--dump_folder", str(folder)]), cwd=REPO, env=train_env(nproc=2),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = ""
+    for line in proc.stdout:
+        output += line
+        if 3 in parse_steps(output):
+            for pid in [proc.pid, *descendants(proc.pid)]:  # SLURM signals every process of the step
+                os.kill(pid, signal.SIGTERM)
+            break
+    output += proc.stdout.read()
+    assert proc.wait(timeout=300) == 75, output[-3000:]
+    stopped = int(output.split("preempted (SIGTERM) after step ")[1].split(",")[0])
+    assert 3 <= stopped < 20 and (folder / "checkpoint" / f"step-{stopped}" / ".metadata").exists(), output[-3000:]
+    resumed = train(COMMON + ["--dump_folder", str(folder)], nproc=2)
+    assert resumed.returncode == 0 and sorted(resumed.losses) == list(range(stopped + 1, 21)), resumed
+    assert resumed.losses == {s: straight[1][s] for s in range(stopped + 1, 21)}
