@@ -9,8 +9,10 @@ then RMSNorm and the output head (tied to the embeddings or not). Qwen2 (and Qwe
 same architecture) adds biases to W_q, W_k, W_v, not to W_o (`qkv_bias`; Qwen2Attention);
 Qwen3 instead adds an RMSNorm over each head of q and k before RoPE (`qk_norm`). RoPE uses
 Hugging Face's layout (halves rotate together) and Llama 3's frequency scaling when
-`rope_scaling` says so. RMSNorm and RoPE
-angles are computed in float32 (float64 for float64 inputs in the norm) as transformers does.
+`rope_scaling` says so. RMSNorm statistics and RoPE angles are computed in float32 (float64
+for float64 inputs in the norm) and rounded as transformers does. The blocks and the LM
+skeleton are `models/layers/decoder.py`'s (options `rope="halves"`, `hf_norm`, `qkv_bias`,
+`qk_norm`, `head_dim`); this module adds the config, streaming and grafts.
 
 Attribute names (tok_embeddings, layers, norm, lm_head, and attention / feed_forward /
 attention_norm / ffn_norm inside blocks) follow torchtitan's decoders, so its AC / compile /
@@ -22,7 +24,6 @@ Shapes: tokens (B, L) int64 -> logits (B, L, vocab_size).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -30,9 +31,7 @@ import torch
 from torch import nn
 
 from models.grafts.graft import apply_graft, GraftConfig, reset_grafts
-from models.layers.attention import document_causal_attention
-from models.layers.ffn import SwiGLU
-from models.layers.rope import apply_half_rope, rope_inv_freq
+from models.layers.decoder import Attention, DecoderLMBase, RMSNorm
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_SCALING_FIELDS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -84,99 +83,13 @@ class DecoderState(NamedTuple):
     seen: int = 0
 
 
-class RMSNorm(nn.Module):
-    """weight * x / rms(x), the statistics in float32 (float64 stays float64), cast back
-    before the weight, as transformers' LlamaRMSNorm. x (..., dim) -> (..., dim)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        work = x if x.dtype == torch.float64 else x.float()
-        work = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * work.to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: DecoderLMConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
-
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x (B, L, dim), positions (B, L) -> q (B, n_heads, L, head_dim), k and v
-        (B, n_kv_heads, L, head_dim): projected, q/k-normed (Qwen3) and rotated."""
-        q = self.wq(x).unflatten(-1, (-1, self.cfg.head_dim))
-        if self.cfg.qk_norm:
-            q = self.q_norm(q)
-        return (apply_half_rope(q.transpose(1, 2), positions, self.inv_freq), *self.project_kv(x, positions))
-
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x (B, L, dim), positions (B, L) -> k, v (B, n_kv_heads, L, head_dim) as `project`'s."""
-        k, v = (w(x).unflatten(-1, (-1, self.cfg.head_dim)) for w in (self.wk, self.wv))
-        if self.cfg.qk_norm:
-            k = self.k_norm(k)
-        return apply_half_rope(k.transpose(1, 2), positions, self.inv_freq), v.transpose(1, 2)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_positions: torch.Tensor | None):
-        """Projected q (B, n_heads, Lq, head_dim) over k, v (B, n_kv_heads, Lk, head_dim), the
-        queries being the last Lq of the Lk tokens; doc_positions (B, Lk) or None -> (B, Lq, dim)."""
-        out = document_causal_attention(q, k, v, doc_positions, scale=1 / math.sqrt(self.cfg.head_dim))
-        return self.wo(out.transpose(1, 2).flatten(-2))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
-        """x (B, L, dim); positions (B, L) for RoPE; doc_positions (B, L) or None for masking."""
-        return self.attend(*self.project(x, positions), doc_positions)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: DecoderLMConfig):
-        super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
-
-    def forward(self, x, positions, doc_positions):
-        x = x + self.attention(self.attention_norm(x), positions, doc_positions)
-        return x + self.feed_forward(self.ffn_norm(x))
-
-    def step(self, x: torch.Tensor, positions: torch.Tensor, cache: tuple | None):
-        """The next tokens of a stream (one document per row): x (B, L, dim), positions (B, L)
-        continuing the stream's; cache (keys, values) of the tokens before or None ->
-        (output, cache with x's keys and values appended)."""
-        q, k, v = self.attention.project(self.attention_norm(x), positions)
-        if cache is not None:
-            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
-        x = x + self.attention.attend(q, k, v, None)
-        return x + self.feed_forward(self.ffn_norm(x)), (k, v)
-
-
-class DecoderLM(nn.Module):
-    """Llama / Qwen2 / Qwen3 decoder LM (module docstring)."""
-
-    _skip_lm_head: bool = False  # torchtitan's chunked loss applies lm_head itself
+class DecoderLM(DecoderLMBase):
+    """Llama / Qwen2 / Qwen3 decoder LM (module docstring): `models/layers/decoder.py`'s blocks
+    with Hugging Face's RoPE layout ("halves") and transformers' RMSNorm rounding."""
 
     def __init__(self, cfg: DecoderLMConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.enable_weight_tying = cfg.tie_embeddings
+        super().__init__(cfg, cfg.ffn_hidden, hf_norm=True, head_dim=cfg.head_dim, rope="halves",
+                         rope_scaling=cfg.rope_scaling, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
         apply_graft(self, cfg.graft)
         self.reset_parameters()
 
@@ -186,8 +99,7 @@ class DecoderLM(nn.Module):
         (`reset_grafts`: LoRA B = 0, MemoryLlama's `init`); RoPE frequencies recomputed
         (`reset_buffers`)."""
         with torch.no_grad():
-            if self.enable_weight_tying:
-                self.lm_head.weight = self.tok_embeddings.weight
+            self._tie_embeddings()
             for module in self.modules():
                 if isinstance(module, (nn.Linear, nn.Embedding)):
                     nn.init.normal_(module.weight, std=self.cfg.init_std)
@@ -204,7 +116,7 @@ class DecoderLM(nn.Module):
         device = self.tok_embeddings.weight.device
         for module in self.modules():
             if isinstance(module, Attention):
-                module.inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling).to(device)
+                module.reset_buffers(device)
 
     def stream(self, tokens: torch.Tensor, state: DecoderState | None = None):
         """Logits of tokens (B, T) continuing the stream `state` (None: a new one, one
@@ -218,27 +130,6 @@ class DecoderLM(nn.Module):
             h, cache = block.step(h, positions, cache)
             caches.append(cache)
         return self.lm_head(self.norm(h)), DecoderState(tuple(caches), state.seen + tokens.shape[1])
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_masks: None = None):
-        """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None (one
-        document per row); `attention_masks` must be None (the mask comes from positions)."""
-        if attention_masks is not None:
-            raise ValueError("DecoderLM builds its own document mask from positions; pass attention_masks=None")
-        if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
-        rope_positions = positions if positions is not None else torch.arange(
-            tokens.shape[1], device=tokens.device).expand_as(tokens)
-        h = self.decode(self.tok_embeddings(tokens), rope_positions, positions)
-        return h if self._skip_lm_head else self.lm_head(h)
-
-    def decode(self, h: torch.Tensor, rope_positions: torch.Tensor, positions: torch.Tensor | None = None):
-        """Input embeddings h (B, L, dim) -> final-normed hidden states (B, L, dim): the
-        blocks and the last norm; rope_positions (B, L), positions (B, L) for the document
-        mask or None (one sequence per row). Prefix memories (GradMem) call it on
-        embeddings that are not token embeddings."""
-        for block in self.layers.values():
-            h = block(h, rope_positions, positions)
-        return self.norm(h)
 
 
 def config_from_hf(hf: dict) -> DecoderLMConfig:

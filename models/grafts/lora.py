@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The backbone's linear names (models/backbones/decoder_lm.py) and Hugging Face's.
+# The decoder blocks' linear names (models/layers/decoder.py) and Hugging Face's.
 TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
            "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
 

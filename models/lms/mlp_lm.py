@@ -12,17 +12,13 @@ Shapes: tokens (B, L) int64 -> logits (B, L, vocab_size).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.layers.attention import document_causal_attention
-from models.layers.rope import apply_rope, rope_angles
-
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+from models.layers.decoder import DecoderLMBase
+from models.layers.ffn import MLP_ACTIVATIONS
 
 
 @dataclass
@@ -41,8 +37,8 @@ class MLPLMConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation '{self.activation}' unknown: choose one of {sorted(ACTIVATIONS)}")
+        if self.activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"activation '{self.activation}' unknown: choose one of {sorted(MLP_ACTIVATIONS)}")
         kv_heads = self.n_kv_heads or self.n_heads
         if self.dim % self.n_heads or self.n_heads % kv_heads:
             raise ValueError(f"dim {self.dim} must divide by n_heads {self.n_heads}, and n_heads by n_kv_heads {kv_heads}")
@@ -52,67 +48,13 @@ class MLPLMConfig:
         return self.dim // self.n_heads
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: MLPLMConfig):
-        super().__init__()
-        self.cfg = cfg
-        kv_dim = (cfg.n_kv_heads or cfg.n_heads) * cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None) -> torch.Tensor:
-        """x (B, L, dim); positions (B, L) for RoPE; doc_positions (B, L) or None for masking."""
-        head_dim, theta = self.cfg.head_dim, self.cfg.rope_theta
-        q, k, v = (w(x).unflatten(-1, (-1, head_dim)).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        cos, sin = rope_angles(positions, head_dim, theta)
-        out = document_causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, doc_positions)
-        return self.wo(out.transpose(1, 2).flatten(-2))
-
-
-class FeedForward(nn.Module):
-    """FFN(x) = W2 act(W1 x): the two-layer MLP that Locas-MLP extends sideways."""
-
-    def __init__(self, cfg: MLPLMConfig):
-        super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.act = ACTIVATIONS[cfg.activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: MLPLMConfig):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
-
-    def forward(self, x, positions, doc_positions):
-        x = x + self.attention(self.attention_norm(x), positions, doc_positions)
-        return x + self.feed_forward(self.ffn_norm(x))
-
-
-class MLPLM(nn.Module):
-    """Decoder LM with two-layer MLP FFNs. Attribute names (tok_embeddings, layers, norm,
+class MLPLM(DecoderLMBase):
+    """Decoder LM with two-layer MLP FFNs (`models/layers/decoder.py`'s blocks: consecutive-pair
+    RoPE, torch's RMSNorm, FFN w2 act(w1 x)). Attribute names (tok_embeddings, layers, norm,
     lm_head) follow torchtitan's decoders so its FSDP/AC/compile helpers apply unchanged."""
 
-    # When True, forward returns the final hidden states (B, L, dim) and the caller
-    # applies lm_head (torchtitan's chunked loss does so chunk by chunk).
-    _skip_lm_head: bool = False
-
     def __init__(self, cfg: MLPLMConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.enable_weight_tying = cfg.tie_embeddings
+        super().__init__(cfg, cfg.ffn_dim, ffn=cfg.activation)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -120,39 +62,10 @@ class MLPLM(nn.Module):
         1/sqrt(2 n_layers); norms to one. Re-ties embeddings (needed after to_empty)."""
         std = self.cfg.init_std
         with torch.no_grad():
-            if self.enable_weight_tying:
-                self.lm_head.weight = self.tok_embeddings.weight
+            self._tie_embeddings()
             nn.init.normal_(self.tok_embeddings.weight, std=std)
             if not self.enable_weight_tying:
                 nn.init.normal_(self.lm_head.weight, std=self.cfg.dim**-0.5)
             for block in self.layers.values():
-                for linear in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1):
-                    nn.init.normal_(linear.weight, std=std)
-                for linear in (block.attention.wo, block.feed_forward.w2):
-                    nn.init.normal_(linear.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
-                block.attention_norm.reset_parameters()
-                block.ffn_norm.reset_parameters()
+                block.reset_parameters(std, self.cfg.n_layers)
             self.norm.reset_parameters()
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        attention_masks: None = None,
-    ) -> torch.Tensor:
-        """tokens (B, L); positions (B, L) restarting at 0 per packed document, or None
-        (one document per row). `attention_masks` exists for torchtitan's call signature
-        and must be None: the mask is derived from `positions`."""
-        if attention_masks is not None:
-            raise ValueError("MLPLM builds its own document mask from positions; pass attention_masks=None")
-        length = tokens.shape[1]
-        if length > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {length} exceeds max_seq_len {self.cfg.max_seq_len}")
-        rope_positions = positions
-        if rope_positions is None:
-            rope_positions = torch.arange(length, device=tokens.device).expand_as(tokens)
-        h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, rope_positions, positions)
-        h = self.norm(h)
-        return h if self._skip_lm_head else self.lm_head(h)
