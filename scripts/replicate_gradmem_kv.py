@@ -71,7 +71,7 @@ def batches(tokenizer, pairs: tuple[int, ...], batch: int, seed: int):
 
 def train(args, write: str, k: int, alpha: float, meta_gradient: str, seed: int, tokenizer, log) -> torch.nn.Module:
     from torchtitan_ext.families.gradmem import model_config, weighted_write_loss
-    from models.lms.gradmem import GradMemLM
+    from models.grafts.gradmem import GradMemLM
 
     torch.manual_seed(seed)
     model = GradMemLM(model_config(args.flavor, gradmem={"write": write, "write_steps": k, "inner_lr": alpha,

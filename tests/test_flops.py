@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.lms.gradmem import GradMemLM
+from models.grafts.gradmem import GradMemLM
 from models.lms.mela import Mela
 from models.backbones.decoder_lm import DecoderLM
 from models.grafts.graft import GraftConfig

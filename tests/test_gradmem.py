@@ -1,4 +1,4 @@
-"""GradMem (models/memory/gradmem.py, models/lms/gradmem.py, torchtitan_ext/families/gradmem.py): the
+"""GradMem (models/memory/gradmem.py, models/grafts/gradmem.py, torchtitan_ext/families/gradmem.py): the
 second-order meta-gradient against finite differences and a plain per-sample reference
 (float64), the first-order one against the reference with the inner gradient detached, batch
 independence, the write lowering its loss, the read never seeing the context, causality, the
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 
 from conftest import load_script, REPO, train
-from models.lms.gradmem import GradMemLM, GradMemLMConfig
+from models.grafts.gradmem import GradMemLM, GradMemLMConfig
 from models.memory.gradmem import GradMemConfig, gradmem_diagnostics
 from torchtitan_ext.eval.gradmem_kv import exact_match
 from torchtitan_ext.families.gradmem import weighted_write_loss

@@ -137,3 +137,13 @@ def test_models_layers_and_memories_import_downward_only():
                                        ("models.memory", ("models.layers", "models.memory")))
               for module, targets in graph.items() if module.startswith(package)}
     assert not {module: targets for module, targets in upward.items() if targets}, upward
+
+
+def test_only_grafts_and_backbones_import_grafts():
+    """A graft is what a backbone holds: no model under models/ other than grafts/ and
+    backbones/ imports models/grafts/."""
+    graph = import_graph(REPO)
+    reaching = {module: sorted(t for t in targets if t.startswith("models.grafts"))
+                for module, targets in graph.items()
+                if module.startswith("models") and not module.startswith(("models.grafts", "models.backbones"))}
+    assert not {module: found for module, found in reaching.items() if found}, reaching

@@ -36,7 +36,7 @@ Section 2.1 and appendix C, with the authors' public code's choices where the pa
   double backward. The read is differentiated once and keeps the fast kernels.
 
 Host model: `tok_embeddings`, `decode(embeddings, rope_positions)` (the blocks and the final
-norm) and `lm_head` (`models/lms/gradmem.py`'s `GradMemLM`).
+norm) and `lm_head` (`models/grafts/gradmem.py`'s `GradMemLM`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from models.lms.gradmem import GradMemLM
+from models.grafts.gradmem import GradMemLM
 from torchtitan_ext.data.synthetic_tasks import kv_pairs, score
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.stats import summarize_seeds

@@ -244,7 +244,7 @@ def run_babilong(args: argparse.Namespace) -> dict:
 def run_gradmem(args: argparse.Namespace) -> dict:
     """Exact match from the written memory per (label, K) and number of pairs; checkpoints
     sharing a label are one model's seeds (`torchtitan_ext.eval.gradmem_kv.pool_cells`)."""
-    from models.lms.gradmem import GradMemLM
+    from models.grafts.gradmem import GradMemLM
     from torchtitan_ext.eval.gradmem_kv import kv_cell, pool_cells
     from torchtitan_ext.data.tokenizer import AssetsTokenizer
 

@@ -1,4 +1,4 @@
-"""The GradMem family (`models/lms/gradmem.py`): flavors, the outer loss, the checks a run must
+"""The GradMem family (`models/grafts/gradmem.py`): flavors, the outer loss, the checks a run must
 pass (its KV-retrieval scoring: torchtitan_ext/eval/gradmem_kv.py).
 
 Flavors:
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torchtitan.components.loss import ChunkedLossWrapper, IGNORE_INDEX
 
-from models.lms.gradmem import GradMemLM, GradMemLMConfig
+from models.grafts.gradmem import GradMemLM, GradMemLMConfig
 from models.memory.gradmem import gradmem_diagnostics
 from torchtitan_ext import flops
 from torchtitan_ext.errors import UserError
