@@ -152,3 +152,24 @@ def test_sigterm_checkpoints_the_last_step_exits_75_and_the_rerun_continues_bit_
     resumed = train(COMMON + ["--dump_folder", str(folder)], nproc=2)
     assert resumed.returncode == 0 and sorted(resumed.losses) == list(range(stopped + 1, 21)), resumed
     assert resumed.losses == {s: straight[1][s] for s in range(stopped + 1, 21)}
+
+
+def test_a_disk_that_fills_during_a_save_stops_with_one_line_and_the_rerun_resumes(straight, tmp_path):
+    """Every rank's DCP writer writes half a shard and raises ENOSPC on the second save
+    (tests/fault_configs.py): the run stops naming the folder and the bytes a checkpoint
+    takes, the step it was writing stays unloadable, and the rerun (with space) resumes from
+    the step before and matches the uninterrupted run."""
+    from torchtitan_ext.training.checkpoints import resume_step
+
+    folder = tmp_path / "run"
+    filling = ["--module", "fault_configs", "--config", "transformer_debug_disk_fills", *COMMON[4:]]
+    run = train(filling + ["--dump_folder", str(folder)], nproc=2)
+    errors = [line.split("error: ", 1)[1] for line in run.output.splitlines() if "error: disk full" in line]
+    assert run.returncode != 0 and len(errors) == 1, run
+    size = sum(f.stat().st_size for f in (folder / "checkpoint" / "step-10").iterdir())
+    assert errors[0] == (f"disk full while writing a checkpoint under '{folder / 'checkpoint'}': a checkpoint takes "
+                         f"{size:,} bytes here (step-10); free that much and rerun the same command to resume from step-10")
+    assert not (folder / "checkpoint" / "step-20" / ".metadata").exists()
+    assert resume_step(folder / "checkpoint", transformer_state()) == (10, [])
+    resumed = train(COMMON + ["--dump_folder", str(folder)], nproc=2)
+    assert resumed.returncode == 0 and resumed.losses == {s: straight[1][s] for s in range(11, 21)}, resumed

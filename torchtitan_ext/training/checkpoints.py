@@ -124,6 +124,31 @@ def resume_plan(config) -> tuple[int | None, list[str]]:
     return step, damaged
 
 
+def is_disk_full(error: BaseException) -> bool:
+    """Whether a save failed for want of space: ENOSPC itself or inside DCP's
+    CheckpointException (which carries every rank's failure)."""
+    import errno
+
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    failures = getattr(error, "failures", None) or {}
+    return any(is_disk_full(failure[0]) for failure in failures.values())
+
+
+def disk_full_message(config) -> str:
+    """One line for a save that ran out of space: where, how many bytes a checkpoint takes
+    here (the newest whole step's size) and the step a rerun resumes from."""
+    folder = Path(config.dump_folder) / config.checkpoint.folder
+    steps = sorted((int(p.name.split("-")[1]) for p in folder.glob("step-*")
+                    if p.name.split("-")[1].isdigit() and (p / ".metadata").is_file()), reverse=True)
+    if not steps:
+        return (f"disk full while writing a checkpoint under '{folder}': free space there and rerun the same command "
+                "(no whole checkpoint yet: it starts afresh)")
+    size = sum(f.stat().st_size for f in (folder / f"step-{steps[0]}").iterdir() if f.is_file())
+    return (f"disk full while writing a checkpoint under '{folder}': a checkpoint takes {size:,} bytes here "
+            f"(step-{steps[0]}); free that much and rerun the same command to resume from step-{steps[0]}")
+
+
 def load_dcp_model(model: torch.nn.Module, step_dir: str | Path, what: str = "model of this config") -> None:
     """Load the model weights of a DCP checkpoint into `model` (in place, no process group)."""
     import torch.distributed.checkpoint as dcp

@@ -11,7 +11,9 @@ Runs torchtitan 0.3.0's own `torchtitan.train.main` after
    a shard missing or truncated, a `.metadata` that does not parse, another model's shards)
    is skipped with one warning line naming it and why; none whole: one line, exit 2.
 On SIGTERM (preemption) every rank finishes its step, a checkpoint of it is written and the
-run exits with code 75 (`preemption.py`); rerunning the command resumes there.
+run exits with code 75 (`preemption.py`); rerunning the command resumes there. A save that
+runs out of space stops with one line naming the folder and the bytes a checkpoint takes,
+exit code 4; the step it was writing has no `.metadata`, so the rerun resumes from the one before.
 A non-finite loss stops training with exit code 3; checkpoints already written stay
 valid (torchtitan saves after a completed step, and a DCP step folder without its
 `.metadata` is never loaded).
@@ -27,6 +29,7 @@ from torchtitan_ext.errors import UserError
 
 EXIT_USER_ERROR = 2
 EXIT_NON_FINITE_LOSS = 3
+EXIT_DISK_FULL = 4
 
 
 def _rank() -> int:
@@ -87,6 +90,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _fail(f"{e} Checkpoints written before this step are intact; lower --optimizer.lr or "
               "check the data, then resume.", EXIT_NON_FINITE_LOSS)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        from torchtitan_ext.training.checkpoints import disk_full_message, is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        _fail(disk_full_message(config), EXIT_DISK_FULL)
     if preemption.stopped_at() is not None:
         preemption.report(_rank())
         sys.exit(preemption.EXIT_PREEMPTED)
