@@ -27,7 +27,8 @@ perplexities paired by seed and document. Loss by position inside a decoder chun
 (P*C = 64 positions) shows where the memory helps.
 
     python scripts/replicate_mela_length.py --out outputs/replication [--steps 200] [--seeds 3]
-Writes <out>/results.json, results.md and replication.png.
+Writes <out>/results.json, results.md and replication.png; each trained (model, seed) is kept
+in <out>/cells/, so an interrupted run picks up where it stopped when rerun.
 """
 
 from __future__ import annotations
@@ -250,6 +251,25 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def trained_cell(variant: Variant, stream: torch.Tensor, docs: list[torch.Tensor], seed: int,
+                 args: argparse.Namespace) -> dict:
+    """One (variant, seed): {"losses": (docs, L - 1) held-out NLL, "gap": fp32-fp64 logit gap},
+    trained and scored, or read back from <out>/cells/ where an earlier (interrupted) run of
+    the same steps left it; each cell is written atomically once done, so a rerun resumes."""
+    path = args.out / "cells" / f"{variant.name.replace(' ', '_').replace(',', '')}_steps{args.steps}_seed{seed}.pt"
+    if path.exists():
+        return torch.load(path)
+    start = time.time()
+    model, logits_of, final = train(variant, stream, seed, args.steps)
+    cell = {"losses": token_losses(model, logits_of, docs), "gap": precision_gap(model, logits_of, docs[0])}
+    print(f"{variant.name} seed {seed}: final train loss {final:.3f}, held-out loss {cell['losses'].mean():.3f}, "
+          f"fp32-fp64 logit gap {cell['gap']:.2e} ({time.time() - start:.0f} s)", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(cell, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return cell
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/replication"))
@@ -263,16 +283,9 @@ def main() -> None:
     chosen = [v for v in VARIANTS if not args.only or v.name in args.only]
     losses, gaps = {}, {}
     for variant in chosen:
-        per_seed = []
-        for seed in range(args.seeds):
-            start = time.time()
-            model, logits_of, final = train(variant, stream, seed, args.steps)
-            per_seed.append(token_losses(model, logits_of, docs))
-            gaps.setdefault(variant.name, []).append(precision_gap(model, logits_of, docs[0]))
-            print(f"{variant.name} seed {seed}: final train loss {final:.3f}, held-out loss "
-                  f"{per_seed[-1].mean():.3f}, fp32-fp64 logit gap {gaps[variant.name][-1]:.2e} "
-                  f"({time.time() - start:.0f} s)", flush=True)
-        losses[variant.name] = torch.stack(per_seed)
+        cells = [trained_cell(variant, stream, docs, seed, args) for seed in range(args.seeds)]
+        losses[variant.name] = torch.stack([cell["losses"] for cell in cells])
+        gaps[variant.name] = [cell["gap"] for cell in cells]
     results = summarize(losses) | {"steps": args.steps, "fp32_fp64_logit_gap": gaps}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     (args.out / "results.md").write_text(markdown(results, args.steps))

@@ -32,3 +32,27 @@ def test_summary_pools_seeds_reports_each_and_pairs_effects_by_seed_and_document
     assert low < math.exp(0.1) and high > math.exp(0.3)
     table = replicate.markdown(results, steps=10)
     assert "seeds 1.000, 1.221, 1.492" in table
+
+
+def test_an_interrupted_run_picks_up_the_trained_cells(tmp_path, monkeypatch):
+    """Each (model, seed) is kept once trained; a rerun reads it back instead of training."""
+    import argparse
+
+    trained = []
+
+    def fake_train(variant, stream, seed, steps):
+        trained.append((variant.name, seed))
+        return torch.nn.Identity(), lambda model, tokens: torch.zeros(*tokens.shape, 5), 1.0
+
+    monkeypatch.setattr(replicate, "train", fake_train)
+    monkeypatch.setattr(replicate, "precision_gap", lambda model, logits_of, doc: 0.5)
+    docs = [torch.tensor([1, 2, 3, 4])]
+    args = argparse.Namespace(out=tmp_path, steps=7)
+    variant = replicate.VARIANTS[0]
+    first = replicate.trained_cell(variant, None, docs, 1, args)
+    again = replicate.trained_cell(variant, None, docs, 1, args)
+    assert trained == [(variant.name, 1)]
+    assert torch.equal(first["losses"], again["losses"]) and again["gap"] == 0.5
+    assert first["losses"].shape == (1, 3) and torch.allclose(first["losses"], torch.full((1, 3), math.log(5)))
+    replicate.trained_cell(variant, None, docs, 2, args)  # another seed is another cell
+    assert trained == [(variant.name, 1), (variant.name, 2)]
