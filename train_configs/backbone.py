@@ -16,6 +16,7 @@ from models.grafts.memory_llama import THESIS_MEMORY
 from models.grafts.mone import MONE_LORA
 from torchtitan_ext.families.backbone import FAMILY
 from torchtitan_ext.paths import REPO_ROOT
+from torchtitan_ext.data.mixed_data import MixedDataLoader
 from torchtitan_ext.data.task_data import TaskDataLoader
 from train_configs.recipe import debug_recipe, grouped_adamw, paper_recipe
 
@@ -311,4 +312,26 @@ def mone_qwen2_5_0_5b() -> Trainer.Config:
     config.dump_folder = "./outputs/mone_qwen2_5_0_5b"
     config.hf_assets_path = QWEN2_5_0_5B_INSTRUCT
     config.checkpoint = dataclasses.replace(config.checkpoint, initial_load_path=QWEN2_5_0_5B_INSTRUCT)
+    return config
+
+
+# The in-house pretrained backbone the grafts start from (scripts/pretrain_backbone.sh):
+# qwen3_debug's shape (what the debug graft configs load), its native window the debug
+# recipe's seq_len of 256 tokens, trained on the embedded corpus' training split mixed with
+# task rows inside the window.
+# Task sample lengths: 128 to 256 tokens (an S-NIAH sample of 96 may not fit its needle), never
+# the graft evaluations' lengths beyond the window (512 and up).
+PRETRAIN_TASKS = "s_niah,kv_retrieval"
+PRETRAIN_TASK_LENGTHS = "128,160,192,224,256"
+PRETRAIN_STEPS = 1300
+
+
+def backbone_qwen3_pretrain() -> Trainer.Config:
+    """backbone_qwen3_debug's model pretrained at seq_len 256 on the embedded corpus' training
+    split (packed) and, in 85% of the sequences, S-NIAH / KV-retrieval rows of 128-256 tokens with
+    the question after the context (loss on the answers; torchtitan_ext/data/mixed_data.py);
+    batches of 4, lr 3e-3, 10% warmup, cosine to 10%, validation on the held-out documents."""
+    config = debug_recipe(FAMILY.model_spec("qwen3_debug"), name="backbone_qwen3_pretrain", steps=PRETRAIN_STEPS)
+    config.dataloader = MixedDataLoader.Config(dataset="embedded", tasks=PRETRAIN_TASKS,
+                                               lengths=PRETRAIN_TASK_LENGTHS, task_fraction=0.85)
     return config

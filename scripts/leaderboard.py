@@ -1,0 +1,68 @@
+"""Does memory X beat baseline Y at equal cost? Every family and graft trained and evaluated
+the same way, one table (torchtitan_ext/eval/leaderboard*.py).
+
+    python scripts/leaderboard.py --suite ci --out DIR [--rows mela,titans_mac]
+    python scripts/leaderboard.py --suite cpu --out DIR --estimate     # cells and tokens, no run
+    python scripts/leaderboard.py --suite paper --dry-run [--hf-assets-path FOLDER]
+
+Writes DIR/leaderboard.md, DIR/leaderboard.json, DIR/ppl_vs_length.png,
+DIR/recall_vs_length.png; each cell's figures in DIR/cells/<row>/seed<k>.json (a rerun skips
+finished cells), its training run under DIR/runs/<row>/seed<k>/ (wandb offline), the
+in-house backbone under DIR/backbone/. DIR/suite.json names the suite the folder holds.
+`--dry-run` (the paper suite) runs the launcher's preflight for every row at 1x8, 4x8 and
+16x8 ranks and prints the exact multi-node commands; `--hf-assets-path` stands a tokenizer in
+for the paper configs' Llama-2 one (which cannot ship; README "A real run").
+Bad input (an unknown suite or row, a folder holding another suite) prints one line and exits 2,
+writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.eval import leaderboard, leaderboard_cells, leaderboard_launch, leaderboard_suites
+
+
+def check_out(out: Path, suite: str) -> None:
+    """UserError when `out` holds another suite's results (its suite.json marker)."""
+    marker = out / "suite.json"
+    if marker.is_file() and json.loads(marker.read_text())["suite"] != suite:
+        raise UserError(f"{out} holds suite '{json.loads(marker.read_text())['suite']}' results: pick another --out")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", required=True, help=", ".join(leaderboard_suites.SUITES))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--rows", help="comma-separated row names (default: every row of the suite)")
+    parser.add_argument("--dry-run", action="store_true", help="preflight and print the multi-node commands")
+    parser.add_argument("--estimate", action="store_true", help="print the suite's cells and tokens, run nothing")
+    parser.add_argument("--hf-assets-path", help="tokenizer folder standing in for the configs' own (--dry-run)")
+    args = parser.parse_args(argv)
+    try:
+        chosen = leaderboard_suites.suite(args.suite)
+        rows = leaderboard_suites.select_rows(chosen, args.rows)
+        if args.dry_run:
+            print(leaderboard_launch.dry_run(chosen, rows, args.hf_assets_path))
+            return
+        if args.estimate:
+            print(leaderboard_launch.estimate(chosen, rows))
+            return
+        if args.out is None:
+            raise UserError("--out DIR is needed to run a suite")
+        check_out(args.out, chosen.name)
+        leaderboard_cells.write_json(args.out / "suite.json", {"suite": chosen.name})
+        counts = leaderboard_cells.run_cells(rows, chosen, args.out)
+        leaderboard.report(args.out, chosen)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"cells run {counts['run']}, skipped {counts['skipped']}; wrote {args.out / 'leaderboard.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Configs only the leaderboard (`python scripts/leaderboard.py`) trains: Mela's memory-off twin
+at debug and paper size (the same decoder and window, `memory_path=False`: every decoder chunk
+reads `memory_init`), and the cpu suite's from-scratch rows at equal non-embedding parameters."""
+
+import dataclasses
+
+from torchtitan.trainer import Trainer
+
+from torchtitan_ext.families.mela import model_spec
+from torchtitan_ext.families.mlp_lm import model_spec as mlp_lm_spec
+from torchtitan_ext.families.titans import model_spec as titans_spec
+from torchtitan_ext.families.transformer import llama3_config, model_spec as transformer_spec, Shape
+from train_configs.mela import mela_400m, mela_debug
+from train_configs.recipe import debug_recipe
+
+
+def _memory_off(config: Trainer.Config, flavor: str, name: str) -> Trainer.Config:
+    config.model_spec = model_spec(flavor, memory_path=False)
+    config.dump_folder = f"./outputs/{name}"
+    return config
+
+
+def mela_debug_memory_off() -> Trainer.Config:
+    """mela_debug with its memory path off (2.4M parameters, the HMM unused)."""
+    return _memory_off(mela_debug(), "debug", "mela_debug_memory_off")
+
+
+def mela_400m_memory_off() -> Trainer.Config:
+    """mela_400m with its memory path off (the paper recipe, FineWeb-Edu, 5B tokens)."""
+    return _memory_off(mela_400m(), "400m", "mela_400m_memory_off")
+
+
+# The cpu suite's from-scratch rows at equal non-embedding parameters (Mela debug's 1.92M,
+# within 5%: tests/test_leaderboard.py): more, narrower layers where a family's debug shape is
+# larger or smaller; the recipe is each family's debug one.
+def transformer_cpu() -> Trainer.Config:
+    """Transformer++ at dim 128, 10 layers (1.97M non-embedding parameters)."""
+    shape = Shape(dim=128, n_layers=10, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=4096)
+    spec = dataclasses.replace(transformer_spec("small"), flavor="leaderboard_cpu", model=llama3_config(shape))
+    return debug_recipe(spec, name="transformer_cpu")
+
+
+def _titans_cpu(variant: str, n_layers: int) -> Trainer.Config:
+    config = debug_recipe(titans_spec("debug", variant=variant, n_layers=n_layers), name=f"titans_{variant}_cpu")
+    config.activation_checkpoint = None  # as titans_<variant>_debug
+    return config
+
+
+def titans_mac_cpu() -> Trainer.Config:
+    """Titans MAC, 5 layers of the debug width (1.99M non-embedding parameters)."""
+    return _titans_cpu("mac", 5)
+
+
+def titans_mag_cpu() -> Trainer.Config:
+    """Titans MAG, 5 layers of the debug width."""
+    return _titans_cpu("mag", 5)
+
+
+def titans_mal_cpu() -> Trainer.Config:
+    """Titans MAL, 5 layers of the debug width."""
+    return _titans_cpu("mal", 5)
+
+
+def titans_lmm_cpu() -> Trainer.Config:
+    """Titans LMM, 6 layers of the debug width."""
+    return _titans_cpu("lmm", 6)
+
+
+def mlp_lm_cpu() -> Trainer.Config:
+    """MLP-FFN LM at dim 128, FFN 512, 10 layers."""
+    return debug_recipe(mlp_lm_spec("debug", dim=128, ffn_dim=512, n_layers=10), name="mlp_lm_cpu")
