@@ -34,3 +34,8 @@ def test_step_lines_parse_with_colours_and_optional_fields():
     steps = parse_steps(LOG)
     assert steps[1]["loss"] == 8.5 and steps[1]["tps"] == 1000 and steps[1]["mfu"] != steps[1]["mfu"]  # N/A: nan
     assert steps[3] == {"loss": 6.0, "tps": 2000, "tflops": 0.25, "mfu": 1.4}
+
+
+def test_validation_lines_are_not_training_steps():
+    log = LOG + "[titan] \x1b[33mvalidate step:  3  \x1b[32mloss:  9.00000  memory: 1GiB\n"
+    assert {step: entry["loss"] for step, entry in parse_steps(log).items()} == {1: 8.5, 2: 7.25, 3: 6.0}

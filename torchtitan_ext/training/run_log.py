@@ -6,7 +6,7 @@ import math
 import re
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf)")
+STEP = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf)")  # training steps, not validation
 TPS = re.compile(r"tps:\s*([0-9,]+)")
 MFU = re.compile(r"mfu:\s*([0-9.]+%|N/A)")
 TFLOPS = re.compile(r"tflops:\s*([0-9.]+)")
