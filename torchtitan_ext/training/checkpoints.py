@@ -90,12 +90,18 @@ def check_compatible(model_state: dict, stored: dict, step_dir: Path, what: str)
                     "size, pass the --module/--config it was trained with")
 
 
+def dcp_steps(folder: str | Path) -> list[int]:
+    """The N of `folder`'s `step-N` folders holding a `.metadata`, newest first (torchtitan loads
+    no other)."""
+    return sorted((int(p.name.split("-")[1]) for p in Path(folder).glob("step-*")
+                   if p.name.split("-")[1].isdigit() and (p / ".metadata").is_file()), reverse=True)
+
+
 def resume_step(folder: str | Path, model_state: dict) -> tuple[int | None, list[str]]:
     """(newest step of `folder`'s `step-N` DCP checkpoints whose files are whole and hold
     this model's weights, or None when no step is whole, [one reason per damaged newer step]).
     Folders without `.metadata` are not steps (torchtitan never loads them either)."""
-    steps = sorted((int(p.name.split("-")[1]) for p in Path(folder).glob("step-*")
-                    if p.name.split("-")[1].isdigit() and (p / ".metadata").is_file()), reverse=True)
+    steps = dcp_steps(folder)
     damaged = []
     for step in steps:
         step_dir = Path(folder) / f"step-{step}"
@@ -139,8 +145,7 @@ def disk_full_message(config) -> str:
     """One line for a save that ran out of space: where, how many bytes a checkpoint takes
     here (the newest whole step's size) and the step a rerun resumes from."""
     folder = Path(config.dump_folder) / config.checkpoint.folder
-    steps = sorted((int(p.name.split("-")[1]) for p in folder.glob("step-*")
-                    if p.name.split("-")[1].isdigit() and (p / ".metadata").is_file()), reverse=True)
+    steps = dcp_steps(folder)
     if not steps:
         return (f"disk full while writing a checkpoint under '{folder}': free space there and rerun the same command "
                 "(no whole checkpoint yet: it starts afresh)")

@@ -149,8 +149,8 @@ def check_model_builds(config) -> None:
 
 def check(config, world: int | None = None, explicit_local_batch: bool = False, rows: bool = False) -> None:
     """Raise a one-line UserError for the first problem of `config` run on `world` ranks
-    (default: `world_size()`); `rows`: read every row of a local dataset too (the launcher's
-    check; the ranks skip it)."""
+    (default: `world_size()`); `rows`: the launcher's check, which also reads every row of a
+    local dataset and the checkpoints a run would resume from (the ranks skip both here)."""
     from torchtitan_ext.families.plain_model import check_seq_len
     from torchtitan_ext.training.checkpoints import resume_plan
 
@@ -164,7 +164,8 @@ def check(config, world: int | None = None, explicit_local_batch: bool = False, 
     check_family(config)
     check_tokenizer(config)
     check_initial_hf_checkpoint(config)
-    resume_plan(config)  # steps to resume from exist, but none is whole: one line here
+    if rows:  # the launcher's: steps exist, none whole (the ranks' entry calls resume_plan itself)
+        resume_plan(config)
 
 
 def main(argv: list[str] | None = None) -> None:
