@@ -3,25 +3,30 @@
 - `newton_schulz(x, steps, backend)`: Muon's Newton-Schulz iteration.
 - `memory_update(weight, momentum, grad, eta, alpha, ns_steps, backend, step_scale)`: the
   memory's per-chunk step S' = eta S - G, M' = (1 - alpha) M + step_scale NS(S'), fused in one kernel.
-backend "auto" runs a Triton kernel on CUDA tensors (fp32, bf16) and the eager torch
-reference otherwise: the per-matrix kernel when the matrices fit one program (up to
-128 x 512, either orientation), else for `newton_schulz` the blocked kernel (any size,
-upper-triangular Gram blocks; `memory_update` falls back to torch). "triton" (per matrix),
-"triton_blocked" (blocked, `newton_schulz` only), "torch" (eager reference) and "compiled"
-(the reference through `bounded_compile`: one graph per shape, up to COMPILED_GRAPH_LIMIT,
-then eager) force one. Tests force the
-Triton backends on CPU under TRITON_INTERPRET=1.
+backend "auto" runs what was measured fastest (`kernels/auto_table.py`): a table of (device
+kind, op, shape class) -> backend, compiled torch on CUDA where no kernel was measured
+faster (today everywhere: on an H100 the Triton paths were 1.2-2.3x slower for training),
+the eager torch reference on any other device and wherever the Triton kernels cannot be
+imported. A Triton choice a call cannot take (a dtype other than fp32 / bf16, matrices
+over the per-matrix tile, no blocked path for `memory_update`) falls back to the device's
+default. "triton" (per matrix: up to 128 x 512, either orientation), "triton_blocked"
+(blocked, any size, `newton_schulz` only), "torch" (eager reference) and "compiled" (the
+reference through `bounded_compile`: one graph per shape, up to COMPILED_GRAPH_LIMIT,
+then eager) force one. Tests force the Triton backends on CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import math
 import warnings
 
 import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
 
+from kernels.auto_table import AUTO_TABLE, DEVICE_DEFAULTS, MANY_MATRICES, MAX_COLS, MAX_ROWS
 from kernels.reference import MUON_COEFFICIENTS, memory_update_reference, newton_schulz_reference
 
 BACKENDS = ("auto", "triton", "triton_blocked", "torch", "compiled")  # newton_schulz
@@ -76,6 +81,8 @@ def bounded_compile(fn, limit: int = COMPILED_GRAPH_LIMIT, backend: str = "induc
 
 @functools.cache
 def _compiled(fn):
+    """`fn` through `bounded_compile`, one per function (inside a compiled region the ops call
+    the reference directly, traced into the outer graph)."""
     return bounded_compile(fn)
 
 
@@ -97,22 +104,55 @@ def _triton(op: str):
     return module
 
 
+def _triton_kernels_present() -> bool:
+    """Whether triton and kernels/triton_kernels.py are here, found without importing either
+    (a Hugging Face export ships neither): "auto" decides on this flag, which a compiled
+    region reads as a constant, where importing under a trace would break the graph."""
+    try:
+        return None not in (importlib.util.find_spec(f"{__name__}.triton_kernels"), importlib.util.find_spec("triton"))
+    except ModuleNotFoundError:  # an export's flattened kernels module is no package
+        return False
+
+
+TRITON_KERNELS = _triton_kernels_present()
+
+
 def _fits_tile(x: torch.Tensor) -> bool:
     small, large = sorted(x.shape[-2:])
-    return small <= _triton_module().MAX_ROWS and large <= _triton_module().MAX_COLS
+    return small <= MAX_ROWS and large <= MAX_COLS
+
+
+def shape_class(x: torch.Tensor) -> str:
+    """The auto table's class of x (..., rows, cols): "tile" when each matrix fits one
+    per-matrix Triton program, else "large"; "-many" past MANY_MATRICES matrices, else "-few"."""
+    size = "tile" if _fits_tile(x) else "large"
+    return f"{size}-{'many' if math.prod(x.shape[:-2]) > MANY_MATRICES else 'few'}"
+
+
+def can_run(backend: str, x: torch.Tensor, choices: tuple[str, ...]) -> bool:
+    """Whether `backend`, one of the op's `choices`, takes x where "auto" would run it: the
+    Triton kernels need a CUDA tensor in fp32 or bf16, the per-matrix one matrices within its tile."""
+    if backend not in choices:
+        return False
+    if backend.startswith("triton"):
+        fits = backend == "triton_blocked" or _fits_tile(x)
+        return x.is_cuda and x.dtype in (torch.float32, torch.bfloat16) and fits
+    return True
 
 
 def _resolve(op: str, backend: str, x: torch.Tensor, choices: tuple[str, ...]) -> str:
-    """The backend that runs `op` on x (..., rows, cols): `backend` itself unless it is "auto"."""
+    """The backend that runs `op` on x (..., rows, cols): `backend` itself unless it is
+    "auto", then the auto table's entry for (x's device type, op, `shape_class(x)`), else
+    (no entry, or one x cannot take) the device type's default (module docstring)."""
     if backend not in choices:
         raise ValueError(f"{op}: backend '{backend}' unknown: choose one of {choices}")
     if backend != "auto":
         return backend
-    if not x.is_cuda or x.dtype not in (torch.float32, torch.bfloat16) or _triton_module() is None:
+    if not TRITON_KERNELS:
         return "torch"
-    if _fits_tile(x):
-        return "triton"
-    return "triton_blocked" if "triton_blocked" in choices else "torch"
+    default = DEVICE_DEFAULTS.get(x.device.type, "torch")
+    chosen = AUTO_TABLE.get((x.device.type, op, shape_class(x)), default)
+    return chosen if can_run(chosen, x, choices) else default
 
 
 def newton_schulz(x: torch.Tensor, steps: int = 5, backend: str = "auto", coefficients=MUON_COEFFICIENTS) -> torch.Tensor:
@@ -122,7 +162,8 @@ def newton_schulz(x: torch.Tensor, steps: int = 5, backend: str = "auto", coeffi
         return _triton("newton_schulz").newton_schulz_triton(x.contiguous(), steps, coefficients)
     if backend == "triton_blocked":
         return _triton("newton_schulz").newton_schulz_blocked(x.contiguous(), steps, coefficients)
-    reference = _compiled(newton_schulz_reference) if backend == "compiled" else newton_schulz_reference
+    compiled = backend == "compiled" and not torch.compiler.is_compiling()
+    reference = _compiled(newton_schulz_reference) if compiled else newton_schulz_reference
     return reference(x, steps, coefficients)
 
 
@@ -132,5 +173,6 @@ def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: st
     if backend == "triton":
         return _triton("memory_update").memory_update_triton(weight.contiguous(), momentum.contiguous(),
                                                               grad.contiguous(), eta, alpha, ns_steps, step_scale)
-    reference = _compiled(memory_update_reference) if backend == "compiled" else memory_update_reference
+    compiled = backend == "compiled" and not torch.compiler.is_compiling()
+    reference = _compiled(memory_update_reference) if compiled else memory_update_reference
     return reference(weight, momentum, grad, eta, alpha, ns_steps, step_scale)

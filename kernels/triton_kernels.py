@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.auto_table import MAX_COLS, MAX_ROWS  # the per-matrix path's largest matrix
 from kernels.reference import MUON_COEFFICIENTS, coefficient_schedule, memory_update_reference, newton_schulz_reference
 
-MAX_ROWS, MAX_COLS = 128, 512  # per-matrix path
 # fp32 dots: three TF32 tensor-core products (about fp32 accuracy). "ieee" lowers a tile dot
 # to unrolled scalar FMAs: measured on an H100 (Triton 3.6), compiling the one-tile Newton-Schulz kernel
 # for a 64 x 256 matrix had not finished after 80 s.

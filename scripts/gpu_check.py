@@ -10,21 +10,26 @@ Checks (each prints one PASS/FAIL line with its measured figure; exit 1 if any f
   attention   flex-attention block masks (CUDA path of models/layers/attention.py) vs dense SDPA with
               the same mask (Titans' sliding-window and MAC masks, document masks): 1e-3 rel.
   kernels     Triton Newton-Schulz (per matrix, blocked) and the fused memory update vs the
-              torch references, fp32 (1e-3 rel) and bf16 (3e-2 rel).
+              torch references, fp32 (1e-3 rel) and bf16 (3e-2 rel); then every backend timed
+              (forward + backward, fp32) at one shape per class of kernels/auto_table.py, and
+              the table "auto" would read printed as Python, to paste there.
   drift       the Titans MAC debug model in bf16 (fast weights stay fp32) vs fp32: logits
               within 5e-2 relative.
   train       20 steps of each debug config through scripts/train.sh: the loss falls.
   throughput  tokens/s and MFU of titans_mac_170m and mela_400m at local batch 1, seq 4096,
               10 steps (reported; fails only if the run fails).
 Without CUDA it prints one line and exits 0 (`--device cpu` runs the in-process checks on
-the CPU instead, as the tests do).
+the CPU instead, as the tests do). It needs no torchtitan outside `train`, `throughput` and
+the transformer family, so it runs on images whose torch (2.11 and up) is older than the pin.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,7 +178,92 @@ def check_kernels(device: str) -> list[Result]:
         want = memory_update(weight, momentum, grad, eta, alpha, 5, backend="torch")
         results += [compare(f"memory_update triton {part} {str(dtype)[6:]}", a, b, tolerance)
                     for part, a, b in zip(("weight", "momentum"), got, want)]
-    return results
+    return results + check_auto_table(device)
+
+
+# ---- the auto table (kernels/auto_table.py) --------------------------------------------
+
+MARGIN = 0.05  # a backend replaces the device's default only when faster by more than this share
+# shape class -> (matrices per call, the matrix shapes timed, summed): fast weights of a depth-2
+# memory with head_dim 64, expansion 4 ("tile"), and with head_dim 256 ("large")
+TABLE_SHAPES = {"tile-few": ((4, 4), ((64, 256), (256, 64))), "tile-many": ((16, 16), ((64, 256), (256, 64))),
+                "large-few": ((4, 4), ((256, 1024), (1024, 256))),
+                "large-many": ((16, 16), ((256, 1024), (1024, 256)))}
+
+
+def time_backends(device: str, backends: tuple[str, ...], shapes: dict = TABLE_SHAPES, repeats: int = 10):
+    """{(op, shape class): {backend: ms}}: median milliseconds of one forward + backward, fp32,
+    5 Newton-Schulz steps, summed over the class's matrix shapes; a backend that cannot take
+    the class (`kernels.can_run`) is left out."""
+    from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, can_run, memory_update, newton_schulz
+
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def ms(fn) -> float:
+        fn()  # warm-up (compiles)
+        sync()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    timings = {}
+    for cls, (batch, matrix_shapes) in shapes.items():
+        for op, choices in (("newton_schulz", BACKENDS), ("memory_update", MEMORY_UPDATE_BACKENDS)):
+            row = {}
+            for shape in matrix_shapes:
+                g = torch.Generator().manual_seed(5)
+                w, s, grad = (torch.randn(*batch, *shape, generator=g).to(device).requires_grad_() for _ in range(3))
+                eta, alpha = (torch.rand(batch, generator=g).to(device).requires_grad_() for _ in range(2))
+
+                def step(backend, w=w, s=s, grad=grad, eta=eta, alpha=alpha, op=op):
+                    if op == "newton_schulz":
+                        newton_schulz(s, 5, backend).sum().backward()
+                    else:
+                        new_w, new_s = memory_update(w, s, grad, eta, alpha, 5, backend)
+                        (new_w.sum() + new_s.sum()).backward()
+
+                for backend in backends:
+                    if can_run(backend, s, choices):
+                        row[backend] = row.get(backend, 0.0) + ms(lambda b=backend: step(b))
+            timings[op, cls] = row
+    return timings
+
+
+def table_entry(ms: dict[str, float], default: str) -> str:
+    """The backend for one (op, shape class) from its timings {backend: ms}: the fastest,
+    unless `default` was timed and the fastest beats it by no more than MARGIN."""
+    best = min(ms, key=ms.get)
+    return default if default in ms and ms[best] >= (1 - MARGIN) * ms[default] else best
+
+
+def auto_table_source(kind: str, timings: dict, measured_on: str) -> str:
+    """The AUTO_TABLE that kernels/auto_table.py would hold for device kind `kind` from
+    `timings` ({(op, shape class): {backend: ms}}), as Python, each entry's timings in its comment."""
+    from kernels.auto_table import DEVICE_DEFAULTS
+
+    default = DEVICE_DEFAULTS.get(kind, "torch")
+    lines = [f"# measured on {measured_on}; classes not listed run DEVICE_DEFAULTS ({kind}: {default})",
+             "AUTO_TABLE = {"]
+    for (op, cls), ms in sorted(timings.items()):
+        figures = ", ".join(f"{backend} {t:.2f}" for backend, t in ms.items())
+        lines.append(f'    ("{kind}", "{op}", "{cls}"): "{table_entry(ms, default)}",  # ms: {figures}')
+    return "\n".join(lines + ["}"])
+
+
+def check_auto_table(device: str) -> list[Result]:
+    """Times the backends (`time_backends`) and prints the table "auto" would read; one
+    result per (op, class) with its timings (fails only if timing fails)."""
+    kind = torch.device(device).type
+    backends = ("torch", "compiled") + (("triton", "triton_blocked") if kind == "cuda" else ())
+    timings = time_backends(device, backends)
+    name = torch.cuda.get_device_name(device) if kind == "cuda" else kind
+    print(auto_table_source(kind, timings, f"{name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"))
+    return [Result(f"timing {op} {cls}", True, ", ".join(f"{b} {t:.2f} ms" for b, t in ms.items()))
+            for (op, cls), ms in timings.items()]
 
 
 def check_drift(device: str) -> list[Result]:

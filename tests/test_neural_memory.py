@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kernels.reference import newton_schulz_reference
 from models.memory.neural_memory import (
     associative_grads,
+    chunk_step,
     chunked_memory,
     clip_surprise,
     MemoryState,
@@ -364,3 +365,28 @@ def test_a_large_lr_memory_that_blows_up_stays_finite_under_the_surprise_bound(g
         runs[bound] = (finite, memory.last_stats)
     assert not all(runs[0.0][0])
     assert all(runs[1.0][0]) and runs[1.0][1]["clipped_share"] > 0.5
+
+
+@pytest.mark.parametrize("gates", ["token", "chunk"])
+def test_the_surprise_bound_traces_into_one_graph_and_runs_on_meta(gates):
+    """No `.item()` and no branch on a tensor value: the bounded chunk step traces with
+    fullgraph=True (dynamo only, backend "eager") to the eager result and count, and a bounded
+    memory runs forward + backward on the meta device with a meta share (no CPU constant)."""
+    torch.manual_seed(0)
+    rule = UpdateRule(gates=gates, backend="torch", max_update_norm=0.05)
+    weights = (torch.randn(2, 2, 4, 8), torch.randn(2, 2, 8, 4))
+    momentum = tuple(torch.randn_like(w) for w in weights)
+    q, k, v = (F.normalize(torch.randn(2, 2, 3, 4), dim=-1) for _ in range(3))
+    gates_c = (torch.rand(2, 2, 3), -torch.rand(2, 2, 3), -0.1 * torch.rand(2, 2, 3))
+    eager = chunk_step(weights, momentum, q, k, v, *gates_c, rule)
+    traced = torch.compile(chunk_step, fullgraph=True, backend="eager")(weights, momentum, q, k, v, *gates_c, rule)
+    for a, b in zip(torch.utils._pytree.tree_leaves(eager), torch.utils._pytree.tree_leaves(traced)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert eager[-1] > 0
+    with torch.device("meta"):
+        memory = NeuralMemory(NeuralMemoryConfig(dim=12, n_heads=2, head_dim=4, chunk_size=3, gates=gates,
+                                                 max_update_norm=0.05))
+        y, _ = memory(torch.randn(2, 9, 12))
+        y.sum().backward()
+    assert y.device.type == memory.last_stats["clipped_share"].device.type == "meta"
+    assert all(p.grad.device.type == "meta" for p in memory.parameters())

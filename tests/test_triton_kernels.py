@@ -283,25 +283,6 @@ def test_dispatch_forces_the_blocked_path(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("shape,dtype,expected", [
-    ((4, 64, 256), torch.float32, "triton"),
-    ((256, 64), torch.bfloat16, "triton"),
-    ((200, 600), torch.float32, "triton_blocked"),
-    ((64, 64), torch.float64, "torch"),
-])
-def test_auto_dispatch_picks_the_kernel_by_size_and_dtype_on_cuda(shape, dtype, expected):
-    """The 'auto' decision for CUDA tensors (a stand-in tensor: no GPU is needed to decide)."""
-    from types import SimpleNamespace
-
-    from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, _resolve
-
-    cuda_tensor = SimpleNamespace(is_cuda=True, dtype=dtype, shape=torch.Size(shape))
-    assert _resolve("newton_schulz", "auto", cuda_tensor, BACKENDS) == expected
-    fallback = "torch" if expected == "triton_blocked" else expected
-    assert _resolve("memory_update", "auto", cuda_tensor, MEMORY_UPDATE_BACKENDS) == fallback
-    assert _resolve("newton_schulz", "auto", torch.empty(shape, dtype=dtype), BACKENDS) == "torch"
-
-
 def test_memory_update_has_no_blocked_backend():
     from kernels import memory_update
 

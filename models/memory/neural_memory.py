@@ -74,12 +74,23 @@ Choices where the papers are silent (tested):
   it needs whole chunks.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
-- `max_update_norm = b > 0` bounds the surprise (off by default, as in the paper): each
-  chunk's weighted gradient sum that enters the momentum or the weights (per batch row, head
-  and weight matrix; the per-token rule has two, the chunk rule one) is scaled to Frobenius
-  norm at most b before it is applied (`clip_surprise`), so a large learning rate or an
-  outlier chunk cannot blow the fast weights up; the share of sums clipped in the last
-  forward is `last_stats["clipped_share"]`.
+- `max_update_norm = b > 0` bounds the surprise (off by default: Titans has no bound). It
+  modifies the surprise term of thesis eq. 2.39 as the chunked step applies it: each weighted
+  sum of a chunk's per-token gradients that is added to the state is scaled to Frobenius norm
+  at most b (`clip_surprise`), separately per batch row, head and weight matrix. The chunk
+  rule has one such sum, G = sum_t theta_t u_t, clipped before the momentum (S = eta S - G);
+  the per-token rule has two, the chunk's addition to the momentum,
+  sum_i theta_i (prod_{i<j<=C} eta_j) u_i, and to the weights,
+  sum_i theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j) u_i (the unrolled sums above), each
+  clipped. Why this quantity: a sum is what the chunked path materialises (clipping each
+  token's u_t would need the C per-token gradients the fused sums avoid); per row and head
+  because each is an independent memory (one outlier sequence must not shrink another's
+  writes); per matrix because the layers' gradient scales differ; the Frobenius norm because
+  it bounds the spectral norm (a chunk's surprise moves each layer's output by at most b per
+  unit of input norm; queries and keys are unit vectors), and with a chunk's momentum decay
+  prod eta < 1 the momentum's norm stays below b / (1 - prod eta). A bound above every norm
+  changes nothing bit for bit (the scale is exactly 1); the share of sums clipped in the
+  last forward is `last_stats["clipped_share"]`.
 """
 
 from __future__ import annotations
