@@ -49,10 +49,14 @@ echo "train: $NNODES node(s) x $NPROC_PER_NODE process(es); per-rank logs in $LO
 # PREEMPTED_MARKER; this script then exits 75 (rerun to resume; slurm_train.sbatch requeues).
 # The trap keeps this shell alive until torchrun has finished.
 export PREEMPTED_MARKER="$LOG_DIR/preempted"
+# torchrun exits 1 whatever a rank's code; rank 0 leaves its code (2 bad input, 3 non-finite
+# steps, 4 disk full) in EXIT_CODE_FILE, and this script exits with it.
+export EXIT_CODE_FILE="$LOG_DIR/exit_code"
 trap 'true' TERM
 status=0
 .venv/bin/torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
   --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter 0 \
   -m torchtitan_ext.training.train "$@" || status=$?
 if [ -f "$PREEMPTED_MARKER" ]; then exit 75; fi
+if [ "$status" != 0 ] && [ -f "$EXIT_CODE_FILE" ]; then exit "$(cat "$EXIT_CODE_FILE")"; fi
 exit "$status"

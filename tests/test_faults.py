@@ -5,11 +5,15 @@
   with one line and exit 2; conversion of a damaged step stops with one line, exit 2,
   nothing written.
 - Preemption (SIGTERM to every process of the run, as SLURM sends it): a checkpoint of the
-  last finished step, exit 75, and the rerun continues bit for bit."""
+  last finished step, exit 75, and the rerun continues bit for bit.
+- A full disk during a save: one line, exit 4, the rerun resumes from the step before.
+- Non-finite values (NaN injected into the embedding, tests/fault_configs.py): the step is
+  skipped, counted and named; too many in a row stop the run with one line and exit 3."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +31,8 @@ pytestmark = pytest.mark.slow
 COMMON = CONFIGS["transformer"] + ["--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
                                    "--lr_scheduler.total_steps", "20", "--checkpoint.interval", "10",
                                    "--training.global_batch_size", "4", "--training.steps", "20"]
+NAN_COMMON = ["--module", "fault_configs", "--validator.no-enable", "--debug.seed", "0",
+              "--training.global_batch_size", "4"]
 
 
 def truncate_shard(step: Path) -> str:
@@ -165,7 +171,7 @@ def test_a_disk_that_fills_during_a_save_stops_with_one_line_and_the_rerun_resum
     filling = ["--module", "fault_configs", "--config", "transformer_debug_disk_fills", *COMMON[4:]]
     run = train(filling + ["--dump_folder", str(folder)], nproc=2)
     errors = [line.split("error: ", 1)[1] for line in run.output.splitlines() if "error: disk full" in line]
-    assert run.returncode != 0 and len(errors) == 1, run
+    assert run.returncode == 4 and len(errors) == 1, run
     size = sum(f.stat().st_size for f in (folder / "checkpoint" / "step-10").iterdir())
     assert errors[0] == (f"disk full while writing a checkpoint under '{folder / 'checkpoint'}': a checkpoint takes "
                          f"{size:,} bytes here (step-10); free that much and rerun the same command to resume from step-10")
@@ -173,3 +179,58 @@ def test_a_disk_that_fills_during_a_save_stops_with_one_line_and_the_rerun_resum
     assert resume_step(folder / "checkpoint", transformer_state()) == (10, [])
     resumed = train(COMMON + ["--dump_folder", str(folder)], nproc=2)
     assert resumed.returncode == 0 and resumed.losses == {s: straight[1][s] for s in range(11, 21)}, resumed
+
+
+def checkpoint_state(step: Path, tmp_path: Path) -> dict:
+    """Everything a DCP step folder holds (model, optimizer, schedule, train state), loaded."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(step, tmp_path / f"{step.name}.pt")
+    return torch.load(tmp_path / f"{step.name}.pt", weights_only=False)
+
+
+def warned_steps(output: str) -> list[int]:
+    """The steps of rank 0's "step N: ... not finite, update skipped" warning lines."""
+    return [int(m.group(1)) for m in re.finditer(r"step (\d+): \w+ (?:is|are) not finite, update skipped", output)]
+
+
+def test_a_non_finite_step_on_one_rank_is_skipped_by_both_and_counted(tmp_path):
+    """Rank 0's loss turns NaN at step 3, its gradients (only) at step 5: both ranks skip both
+    updates (a rank that stepped alone would leave the shards of one model at different
+    steps), the run finishes, and the optimizer and the LR schedule took 6 - 2 steps."""
+    import torch
+
+    folder = tmp_path / "run"
+    run = train(["--config", "transformer_debug_nan_once", *NAN_COMMON, "--training.steps", "6",
+                 "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0", "--dump_folder", str(folder)],
+                nproc=2)
+    assert run.returncode == 0 and warned_steps(run.output) == [3, 5], run
+    assert "step 3: loss is not finite" in run.output and "step 5: gradients are not finite" in run.output
+    assert sorted(run.losses) == [1, 2, 4, 5, 6]  # no loss line of step 3: its loss is NaN
+    counts = [line.split("skipped_nonfinite_steps: ")[1].split()[0] for line in run.output.splitlines()
+              if "skipped_nonfinite_steps: " in line]
+    assert counts[-1] == "2", run
+    # no interval checkpoint of a skipped step; the last one's state has 4 applied updates
+    assert sorted(int(p.name.split("-")[1]) for p in (folder / "checkpoint").glob("step-*")) == [1, 2, 4, 6]
+    state = checkpoint_state(folder / "checkpoint" / "step-6", tmp_path)
+    steps = {float(v) for k, v in state["optimizer"].items() if k.endswith(".step")}
+    assert steps == {4.0} and state["lr_scheduler"]["last_epoch"] == 4 and state["train_state"]["step"] == 6
+    weights = [v for k, v in state.items() if isinstance(v, torch.Tensor)]
+    assert weights and all(torch.isfinite(w).all() for w in weights)
+
+
+def test_too_many_non_finite_steps_in_a_row_stop_with_one_line_and_exit_3(tmp_path):
+    """NaN from step 3 on, at most 2 skips: steps 3 and 4 are skipped, step 5 stops the run
+    with exit 3; the newest checkpoint is step 2's (the last applied update), and it loads."""
+    from torchtitan_ext.training.checkpoints import resume_step
+
+    folder = tmp_path / "run"
+    run = train(["--config", "transformer_debug_nan_from_step_3", *NAN_COMMON, "--training.steps", "8",
+                 "--checkpoint.interval", "2", "--training.max_nonfinite_skips", "2", "--dump_folder", str(folder)])
+    errors = [line.split("error: ", 1)[1] for line in run.output.splitlines() if "error: " in line]
+    assert run.returncode == 3 and len(errors) == 1 and warned_steps(run.output) == [3, 4], run
+    assert errors[0].startswith("Loss is not finite at step 5: 3 non-finite steps in a row (steps 3-5, none "
+                                "applied), more than --training.max_nonfinite_skips 2. "), errors
+    assert sorted(run.losses) == [1, 2]
+    assert resume_step(folder / "checkpoint", transformer_state()) == (2, [])

@@ -65,10 +65,13 @@ MODE_TOLERANCE = 1e-4
 
 
 def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_checkpoint(tokenizer_dir, tmp_path):
+    """With no skips allowed (`--training.max_nonfinite_skips 0`) the first non-finite step
+    stops the run (exit 3); the skip-and-continue guard is tested in test_faults.py."""
     run = train(["--module", "nan_configs", "--config", "transformer_diverging", "--training.steps", "30",
-                 "--checkpoint.interval", "2", "--validator.no-enable", "--dump_folder", str(tmp_path)])
-    assert run.returncode != 0
-    assert "error: Loss is not finite" in run.output and "Checkpoints written before this step are intact" in run.output
+                 "--checkpoint.interval", "1", "--training.max_nonfinite_skips", "0", "--validator.no-enable",
+                 "--dump_folder", str(tmp_path)])
+    assert run.returncode == 3, run.output[-2000:]
+    assert "not finite at step" in run.output and "Checkpoints written" in run.output
     failed_at = max(run.losses) + 1 if run.losses else 1
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*"))
     assert saved and max(saved) < failed_at and all((tmp_path / "checkpoint" / f"step-{s}" / ".metadata").exists() for s in saved)

@@ -14,7 +14,9 @@ and iterator state saved in checkpoints. This module only adds sources:
 A local dataset's rows are checked before training (`check_local_rows`, run by the
 launcher's preflight): an empty file, a .jsonl line that is not JSON or has no string `text`
 field, bytes that are not UTF-8, or a parquet file without a `text` column end the run with
-one line naming the file and the row, exit 2.
+one line naming the file and the row, exit 2. With `--dataloader.skip_bad_rows` the same rows
+(`bad_local_rows`) are kept as None texts (`keeping_bad_rows`), which the dataloader skips and
+counts instead.
 
 Each has a `<name>_validation` twin. The held-out split is by content: a document is
 held out when `crc32(text) % 1000 < HELDOUT_PER_MILLE[name]`, so train and
@@ -25,6 +27,10 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,8 +51,14 @@ def is_heldout(text: str, per_mille: int) -> bool:
     return zlib.crc32(text.encode("utf-8")) % 1000 < per_mille
 
 
+def _in_split(text: str | None, per_mille: int, validation: bool) -> bool:
+    """Whether a row belongs to the held-out (`validation`) or the train split; a bad row
+    (None, `keeping_bad_rows`) to the train split, where it is skipped and counted."""
+    return not validation if text is None else is_heldout(text, per_mille) == validation
+
+
 def _split(ds, per_mille: int, validation: bool):
-    return ds.filter(lambda sample: is_heldout(sample["text"], per_mille) == validation)
+    return ds.filter(lambda sample: _in_split(sample["text"], per_mille, validation))
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
@@ -62,67 +74,145 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return kinds.pop(), [str(p) for p in files]
 
 
-def _bad_row(file: Path, where: str, problem: str) -> UserError:
-    return UserError(f"dataset file '{file}' {where}: {problem}: fix or remove it, or pass another --dataloader.dataset_path")
+@dataclass(frozen=True)
+class BadRow:
+    """A row training cannot read: the one-line message naming its file, the row and the problem."""
+
+    message: str
 
 
-def _check_json_lines(file: Path) -> None:
-    """Every non-blank line of a JSON-lines file is a JSON object with a string `text` (UTF-8)."""
+def _bad_row(file: Path, where: str, problem: str) -> BadRow:
+    return BadRow(f"dataset file '{file}' {where}: {problem} (--dataloader.skip_bad_rows would skip it): fix or "
+                  "remove it, or pass another --dataloader.dataset_path")
+
+
+def _json_lines(file: Path) -> Iterator[str | BadRow]:
+    """The `text` of each non-blank line of a JSON-lines file, or a BadRow where the line is
+    not UTF-8, not JSON, or has no string `text` field."""
     with file.open("rb") as f:
         for number, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise _bad_row(file, f"line {number}", f"byte {e.start} is not UTF-8") from None
+                yield _bad_row(file, f"line {number}", f"byte {e.start} is not UTF-8")
+                continue
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise _bad_row(file, f"line {number}", f"not JSON ({e.msg})") from None
+                yield _bad_row(file, f"line {number}", f"not JSON ({e.msg})")
+                continue
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise _bad_row(file, f"line {number}", "no string 'text' field")
+                yield _bad_row(file, f"line {number}", "no string 'text' field")
+            else:
+                yield row["text"]
+
+
+def _json_array(file: Path) -> Iterator[str | BadRow]:
+    """The `text` of each element of a .json array, or a BadRow per element without one (one
+    for the whole file when it is not a UTF-8 JSON array)."""
+    try:
+        rows = json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        yield _bad_row(file, "as a whole", f"not a UTF-8 JSON array ({e})")
+        return
+    for number, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            yield _bad_row(file, f"element {number}", "no string 'text' field")
+        else:
+            yield row["text"]
+
+
+def _parquet_problem(file: Path) -> BadRow | None:
+    """A parquet file without a `text` column or without rows (reads only the footer)."""
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(file)
+    if "text" not in parquet.schema_arrow.names:
+        return _bad_row(file, "has no 'text' column", f"columns {parquet.schema_arrow.names}")
+    if parquet.metadata.num_rows == 0:
+        return _bad_row(file, "is empty", "no rows")
+    return None
+
+
+def _rows(file: Path, builder: str) -> Iterator[str | BadRow]:
+    """One local file's rows in order: each row's text, or a BadRow for a row training cannot
+    read. An empty file, or a parquet file without a `text` column or rows, is one BadRow; a
+    good parquet file yields nothing (datasets' builder reads its rows). A .txt file is one
+    document."""
+    if file.stat().st_size == 0:
+        yield _bad_row(file, "is empty", "no rows")
+    elif builder == "parquet":
+        problem = _parquet_problem(file)
+        yield from [problem] if problem else []
+    elif builder == "text":
+        try:
+            yield file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield _bad_row(file, f"byte {e.start}", "not UTF-8")
+    elif file.suffix == ".json" and file.read_bytes().lstrip()[:1] == b"[":
+        yield from _json_array(file)
+    else:
+        yield from _json_lines(file)
+
+
+def bad_local_rows(path: Path) -> Iterator[BadRow]:
+    """Every row training could not read in a local dataset (a file or folder,
+    `_local_files`), in order: an empty file, non-UTF-8 bytes, a JSON line that does not parse
+    or lacks a string `text`, a .json array element without one, a parquet file without a
+    `text` column or without rows. Reads every text / JSON row once; for parquet only the
+    footer. With `--dataloader.skip_bad_rows` training skips exactly these."""
+    builder, files = _local_files(path)
+    for file in map(Path, files):
+        yield from (row for row in _rows(file, builder) if isinstance(row, BadRow))
 
 
 def check_local_rows(path: Path) -> None:
-    """UserError naming the file and the row of the first row training could not read, in a
-    local dataset (a file or folder, `_local_files`): an empty file, non-UTF-8 bytes, a JSON
-    line that does not parse or lacks a string `text`, a .json array element without one, a
-    parquet file without a `text` column or without rows. Reads every text / JSON row once;
-    for parquet only the footer."""
-    builder, files = _local_files(path)
-    for file in map(Path, files):
-        if file.stat().st_size == 0:
-            raise _bad_row(file, "is empty", "no rows")
-        if builder == "parquet":
-            import pyarrow.parquet as pq
+    """UserError with the message of the first bad row of a local dataset (`bad_local_rows`)."""
+    first = next(bad_local_rows(path), None)
+    if first is not None:
+        raise UserError(first.message)
 
-            parquet = pq.ParquetFile(file)
-            if "text" not in parquet.schema_arrow.names:
-                raise _bad_row(file, "has no 'text' column", f"columns {parquet.schema_arrow.names}")
-            if parquet.metadata.num_rows == 0:
-                raise _bad_row(file, "is empty", "no rows")
-        elif builder == "text":
-            try:
-                file.read_bytes().decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise _bad_row(file, f"byte {e.start}", "not UTF-8") from None
-        elif file.suffix == ".json" and file.read_bytes().lstrip()[:1] == b"[":
-            try:
-                rows = json.loads(file.read_bytes().decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise _bad_row(file, "as a whole", f"not a UTF-8 JSON array ({e})") from None
-            for number, row in enumerate(rows):
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise _bad_row(file, f"element {number}", "no string 'text' field")
-        else:
-            _check_json_lines(file)
+
+_keep_bad_rows: ContextVar[bool] = ContextVar("keep_bad_rows", default=False)
+
+
+@contextmanager
+def keeping_bad_rows(keep: bool = True):
+    """Within it, `load_local` keeps each bad row as a row whose text is None instead of failing
+    (`--dataloader.skip_bad_rows`: the dataloader skips and counts them)."""
+    token = _keep_bad_rows.set(keep)
+    try:
+        yield
+    finally:
+        _keep_bad_rows.reset(token)
+
+
+def _with_bad_rows(builder: str, files: list[str]):
+    """A local dataset with None for the text of each bad row (`_rows`), in file order;
+    parquet files that cannot be read come after the readable ones. JSON and text rows are
+    read into memory; parquet rows by datasets' builder."""
+    from datasets import Dataset, Features, Value, concatenate_datasets, load_dataset
+
+    if builder != "parquet":
+        texts = [None if isinstance(row, BadRow) else row for file in files for row in _rows(Path(file), builder)]
+        return Dataset.from_dict({"text": texts}, features=Features({"text": Value("string")}))
+    bad = [file for file in files if list(_rows(Path(file), builder))]
+    good = [file for file in files if file not in bad]
+    parts = [load_dataset("parquet", data_files=good, split="train").select_columns(["text"])] if good else []
+    features = parts[0].features if parts else Features({"text": Value("string")})
+    return concatenate_datasets([*parts, Dataset.from_dict({"text": [None] * len(bad)}, features=features)])
 
 
 def load_local(path: str, validation: bool = False, per_mille: int = HELDOUT_PER_MILLE["local"]):
+    """A local dataset's train (or held-out `validation`) split; its bad rows kept as None
+    texts (train split) inside `keeping_bad_rows`."""
     from datasets import load_dataset
 
     builder, files = _local_files(Path(path))
+    if _keep_bad_rows.get():
+        return _split(_with_bad_rows(builder, files), per_mille, validation)
     extra = {"sample_by": "document"} if builder == "text" else {}
     ds = load_dataset(builder, data_files=files, split="train", **extra)
     if "text" not in ds.column_names:

@@ -64,7 +64,8 @@ def check_dump_folder(folder: str) -> None:
 
 def check_dataset(dataloader_config, flag: str, rows: bool = False) -> None:
     """The dataset is registered and its local path exists; with `rows`, every row of a local
-    dataset is readable (`datasets.check_local_rows`: the launcher's check, run once)."""
+    dataset is readable (`datasets.check_local_rows`: the launcher's check, run once), or with
+    `skip_bad_rows` one line says how many rows training will skip."""
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     import torchtitan_ext.data.datasets as datasets
@@ -79,8 +80,12 @@ def check_dataset(dataloader_config, flag: str, rows: bool = False) -> None:
         datasets._local_files(Path(path))
     elif name.startswith("fineweb_edu") and path.startswith(("/", ".", "~")) and not os.path.exists(path):
         raise UserError(f"dataset path '{path}' does not exist: pass --{flag}.dataset_path <existing folder of parquet shards>")
-    if rows and (name.startswith("local") or (name.startswith("fineweb_edu") and os.path.exists(path))):
+    if not rows or not (name.startswith("local") or (name.startswith("fineweb_edu") and os.path.exists(path))):
+        return
+    if not getattr(dataloader_config, "skip_bad_rows", False):
         datasets.check_local_rows(Path(path))
+    elif bad := sum(1 for _ in datasets.bad_local_rows(Path(path))):
+        print(f"preflight: {bad} bad rows in '{path}' will be skipped (--{flag}.skip_bad_rows)", flush=True)
 
 
 def check_tokenizer(config) -> None:

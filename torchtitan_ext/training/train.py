@@ -14,21 +14,23 @@ On SIGTERM (preemption) every rank finishes its step, a checkpoint of it is writ
 run exits with code 75 (`preemption.py`); rerunning the command resumes there. A save that
 runs out of space stops with one line naming the folder and the bytes a checkpoint takes,
 exit code 4; the step it was writing has no `.metadata`, so the rerun resumes from the one before.
-A non-finite loss stops training with exit code 3; checkpoints already written stay
-valid (torchtitan saves after a completed step, and a DCP step folder without its
-`.metadata` is never loaded).
+A step whose loss or gradients are not finite is skipped (not applied, counted, one warning
+line, no interval checkpoint of it; `trainer.MemoryTrainer`); more than
+`--training.max_nonfinite_skips` (default 3) in a row stop training with one line and exit
+code 3, the newest checkpoint being of the last applied step.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from torchtitan_ext.training import cpu, preemption
 from torchtitan_ext.errors import UserError
 
 EXIT_USER_ERROR = 2
-EXIT_NON_FINITE_LOSS = 3
+EXIT_NON_FINITE = 3
 EXIT_DISK_FULL = 4
 
 
@@ -37,8 +39,12 @@ def _rank() -> int:
 
 
 def _fail(message: str, code: int) -> None:
+    """Rank 0: the one-line message, and the exit code in the launcher's EXIT_CODE_FILE
+    (torchrun's own exit code does not carry the ranks'); every rank exits with `code`."""
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+        if os.environ.get("EXIT_CODE_FILE"):
+            Path(os.environ["EXIT_CODE_FILE"]).write_text(f"{code}\n")
     sys.exit(code)
 
 
@@ -86,10 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         _fail(str(e), EXIT_USER_ERROR)
     except RuntimeError as e:
-        if "Loss is not finite" not in str(e):
+        from torchtitan_ext.training.trainer import NonFiniteSteps
+
+        if not isinstance(e, NonFiniteSteps):
             raise
-        _fail(f"{e} Checkpoints written before this step are intact; lower --optimizer.lr or "
-              "check the data, then resume.", EXIT_NON_FINITE_LOSS)
+        _fail(f"{e}. Checkpoints written before this step are intact; lower --optimizer.lr or check the data, "
+              "then resume.", EXIT_NON_FINITE)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         from torchtitan_ext.training.checkpoints import disk_full_message, is_disk_full
 
