@@ -160,3 +160,13 @@ def test_a_training_run_with_the_flag_skips_the_bad_rows_and_logs_their_count(to
     counts = [line.split("skipped_rows: ")[1].split()[0] for line in run.output.splitlines()
               if "skipped_rows: " in line]
     assert counts == ["3", "3"], run
+
+
+def test_the_mixed_dataloader_skips_and_counts_bad_text_rows_with_the_flag(bad_first, tokenizer):
+    """Without the flag reading the first row fails (preflight refuses the file first)."""
+    from torchtitan_ext.data.mixed_data import MixedDataLoader
+
+    config = MixedDataLoader.Config(dataset="local", dataset_path=str(bad_first), skip_bad_rows=True, task_fraction=0.0)
+    mixed = MixedDataLoader(config, dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=16, local_batch_size=2)
+    next(iter(mixed))  # two rows of 16 tokens: past the first bad row, not the second
+    assert mixed.dataset.skipped_rows == 1

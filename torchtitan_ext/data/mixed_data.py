@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
+from torchtitan_ext.data import datasets
 from torchtitan_ext.data.dataloader import SequenceShardedTextDataset, TextDataLoader
 from torchtitan_ext.data.task_data import TaskDataset
 from torchtitan_ext.errors import UserError
@@ -37,6 +38,11 @@ class MixedDataset(IterableDataset, Stateful):
             raise UserError(f"task_fraction {task_fraction} must lie in 0..1")
         self.text, self.tasks, self.task_fraction, self.seed = text, tasks, task_fraction, seed
         self.index = 0
+
+    @property
+    def skipped_rows(self) -> int:
+        """The text's unreadable rows skipped so far (`--dataloader.skip_bad_rows`)."""
+        return self.text.skipped_rows
 
     def __iter__(self):
         text, tasks = iter(self.text), iter(self.tasks)
@@ -68,10 +74,11 @@ class MixedDataLoader(ParallelAwareDataloader):
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
-        text = SequenceShardedTextDataset(
-            dataset_name=config.dataset, dataset_path=config.dataset_path, tokenizer=tokenizer,
-            seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size, infinite=True,
-        )
+        with datasets.keeping_bad_rows(config.skip_bad_rows):
+            text = SequenceShardedTextDataset(
+                dataset_name=config.dataset, dataset_path=config.dataset_path, tokenizer=tokenizer,
+                seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size, infinite=True,
+            )
         lengths = tuple(int(n) for n in config.lengths.split(",") if n)
         tasks = TaskDataset(config.tasks.split(","), tokenizer, seq_len, config.seed, validation=False, infinite=True,
                             samples=0, dp_rank=dp_rank, dp_world_size=dp_world_size, lengths=lengths,
