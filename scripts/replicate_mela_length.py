@@ -9,7 +9,9 @@ is flat in length by construction, so the claim is read through two effects:
 
 - memory effect = Mela vs Mela with its memory path off (`memory_path=False`: every decoder
   chunk reads `memory_init`; same decoder, same window), both chains of the memory across
-  the recursion depth (`memory_chain` per_step and per_block);
+  the recursion depth (`memory_chain` per_step and per_block), at the default step after
+  Newton-Schulz (`memory_step_scale` 0.1; its comparison with eq. 10's unit step is
+  docs/mela_step_scale.json);
 - window effect = a Transformer++ (torchtitan's llama3, `transformer_small`, the same 2.4M
   parameters as `mela_debug`) with Mela's chunk-local mask and positions vs the same
   Transformer with full causal attention over its training context.
@@ -95,7 +97,6 @@ def transformer_variant(name: str, chunk_local: bool) -> Variant:
 VARIANTS = [
     mela_variant("mela (per_step)", memory_chain="per_step"),
     mela_variant("mela (per_block)", memory_chain="per_block"),
-    mela_variant("mela (per_block, lr 0.1)", memory_chain="per_block", memory_step_scale=0.1),
     mela_variant("mela, memory path off", memory_path=False),
     transformer_variant("transformer, chunk-local", chunk_local=True),
     transformer_variant("transformer, full", chunk_local=False),
@@ -188,10 +189,7 @@ def summarize(losses: dict[str, torch.Tensor]) -> dict:
                                    "mela, memory path off"),
                                   ("memory effect: mela (per_block) / memory path off", "mela (per_block)",
                                    "mela, memory path off"),
-                                  ("memory effect: mela (per_block, lr 0.1) / memory path off",
-                                   "mela (per_block, lr 0.1)", "mela, memory path off"),
                                   ("chain: per_block / per_step", "mela (per_block)", "mela (per_step)"),
-                                  ("step: per_block lr 0.1 / lr 1", "mela (per_block, lr 0.1)", "mela (per_block)"),
                                   ("window effect: transformer chunk-local / full", "transformer, chunk-local",
                                    "transformer, full")):
         if model not in losses or control not in losses:
