@@ -14,6 +14,9 @@
 #   SKIP_SETUP=1    skip `scripts/setup.sh` (e.g. on cluster nodes sharing one checkout)
 #   SKIP_PREFLIGHT=1  skip the launcher's checks (every rank runs them again, without the scan
 #                   of local data rows; bad input then fails inside torchrun, not with exit 2)
+#   MEMORY_BUDGET=1  on CUDA, the launcher's checks also predict the peak memory per rank and
+#                   warn when it exceeds 90% of the GPU's (torchtitan_ext/training/memory_budget.py;
+#                   1.5-13 minutes at the papers' shapes)
 # Without an accelerator the run uses gloo and the CPU support in torchtitan_ext/training/cpu.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."

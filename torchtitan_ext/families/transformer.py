@@ -20,22 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan.distributed.pipeline_parallel import pipeline_llm
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-from torchtitan.models.llama3 import (
-    _build_llama3_layers,
-    _EMBEDDING_INIT,
-    _NORM_INIT,
-    _output_linear_init,
-    Llama3Model,
-    parallelize_llama,
-)
-from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-from torchtitan.protocols.model_spec import ModelSpec
-
-from torchtitan_ext.training.llama3_cpu_attention import auto_attention_backend, use_cpu_attention
-from torchtitan_ext.training.cpu import has_accelerator
 from torchtitan_ext.families import Family
+
+# torchtitan is imported inside the functions that build its model, so the flavors (`Shape`,
+# `FLAVORS`, `FAMILY`) load without it: scripts/bench_models.py builds the same shapes as a
+# plain decoder on torch versions torchtitan 0.3.0 does not run on.
 
 
 @dataclass(frozen=True)
@@ -72,6 +61,12 @@ def model_config(flavor: str, attn_backend: str = "auto") -> Llama3Model.Config:
 
 def llama3_config(s: Shape, attn_backend: str = "auto") -> Llama3Model.Config:
     """torchtitan Llama3Model config of any Shape (RoPE theta 500000, no scaling)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import _build_llama3_layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init, Llama3Model
+
+    from torchtitan_ext.training.cpu import has_accelerator
+    from torchtitan_ext.training.llama3_cpu_attention import auto_attention_backend, use_cpu_attention
+
     if attn_backend == "auto":
         attn_backend = auto_attention_backend(has_accelerator())
     config = Llama3Model.Config(
@@ -96,6 +91,11 @@ def llama3_config(s: Shape, attn_backend: str = "auto") -> Llama3Model.Config:
 
 
 def model_spec(flavor: str, attn_backend: str = "auto") -> ModelSpec:
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+    from torchtitan.protocols.model_spec import ModelSpec
+
     return ModelSpec(
         name="transformer",
         flavor=flavor,

@@ -1,0 +1,250 @@
+"""Training throughput (tokens/s, MFU) of every model family's paper flavor, without torchtitan.
+
+    python scripts/bench_models.py [--models titans_mac:400m,mela:400m] [--batch 2] [--seq-len 4096]
+        [--steps 10] [--warmup 3] [--compile] [--device cuda]
+    python scripts/bench_models.py --device cpu --dry-run     # every family at debug size, a few steps
+
+A plain loop per model: the family's `models/` class built from its flavor's config, random
+tokens, cross-entropy (plus a model's own auxiliary loss, e.g. GradMem's write loss), AdamW
+(fused on CUDA), bf16 autocast on CUDA with fp32 parameters (each neural memory keeps its fast
+weights in fp32 by its own rule), optionally `torch.compile` of the whole model. Nothing here
+imports torchtitan, so it runs on any torch >= 2.11 with CUDA, where torchtitan 0.3.0 cannot.
+A family whose registry entry imports torchtitan (today backbone and gradmem) is skipped with a
+note when torchtitan is missing.
+
+MFU = tokens/s x the family's training FLOPs per token (`Family.flops_per_token`; the
+Transformer++: 6 x non-embedding parameters + attention, torchtitan's count, written with
+`torchtitan_ext.flops`) / the device's peak: dense bf16 from a table of known GPUs (H100 SXM
+and H200: 989 TFLOP/s), else a measured matmul's FLOP/s (bf16 on CUDA, fp32 on CPU). Steps
+before `--warmup` (compilation, allocator warm-up) are not timed. `--dry-run`: debug flavors,
+fp32, batch 2, 3 steps, short sequences: proves every family builds, steps and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan_ext import flops
+from torchtitan_ext.families import MODULES
+
+# Each family's paper-sized flavor and its CPU debug flavor ("<family>[_<variant>]": flavor).
+PAPER = {"transformer": "400m", "mlp_lm": "600m", "titans_mac": "400m", "mela": "400m",
+         "backbone": "llama3_2_1b", "gradmem": "kv"}
+DEBUG = {"transformer": "debug", "mlp_lm": "debug", "titans_mac": "debug", "mela": "debug",
+         "backbone": "llama_debug", "gradmem": "kv_debug"}
+# Dense bf16 peak FLOP/s by device-name fragment (first match wins).
+PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+             ("A100", 312e12), ("L40S", 362e12))
+
+
+@dataclass
+class Result:
+    name: str
+    flavor: str
+    params: int = 0
+    tokens_per_s: float = 0.0
+    flops_per_token: float = 0.0
+    peak_memory: int = 0
+    error: str = ""
+
+
+def load_family(name: str):
+    """(Family, config overrides) of "<family>[_<variant>]"; ImportError when the family's
+    registry module needs torchtitan and it is not installed."""
+    for module in MODULES:
+        if name == module or name.startswith(module + "_"):
+            family = importlib.import_module(f"torchtitan_ext.families.{module}").FAMILY
+            variant = name[len(module) + 1:]
+            if variant and variant not in family.variants:
+                raise ValueError(f"'{name}': {module} has variants {family.variants}")
+            return family, ({family.variant_field: variant} if variant else {})
+    raise ValueError(f"unknown model '{name}': one of {sorted(PAPER)}")
+
+
+def transformer_flops(cfg, seq_len: int) -> float:
+    """torchtitan's count for its llama3: 6 x non-embedding parameters + attention scores and values."""
+    block = flops.decoder_block_linears(cfg) + flops.attention_span(cfg.n_heads * cfg.head_dim, seq_len)
+    return flops.TRAIN * (cfg.n_layers * block + flops.linear(cfg.dim, cfg.vocab_size))
+
+
+def build(name: str, flavor: str):
+    """(plain model, its config, flops_per_token(seq_len)) of a family flavor, torchtitan-free.
+    The Transformer++ is torchtitan's llama3 in training; here the same shape as the project's
+    plain Llama decoder (models/backbones/decoder_lm.py; only its RoPE layout differs)."""
+    family, overrides = load_family(name)
+    cfg = family.config(flavor, **overrides)
+    if family.name == "transformer":
+        from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
+
+        cfg = DecoderLMConfig(architecture="llama", vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
+                              n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_hidden=cfg.ffn_hidden,
+                              max_seq_len=cfg.max_seq_len)
+        return DecoderLM(cfg), cfg, lambda t: transformer_flops(cfg, t)
+    model = family.plain_class(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    count = family.flops_per_token
+    return model, cfg, (lambda t: count(cfg, t)) if count else (lambda t: 6.0 * n_params)
+
+
+def shortest_length(cfg, wanted: int) -> int:
+    """`wanted` fitted to the model: at most its max_seq_len (GradMem's kv: 1024), at least
+    `min_trainable_seq_len`, a multiple of Mela's chunk of tokens."""
+    step = getattr(cfg, "chunk_tokens", 1)
+    length = max(min(wanted, getattr(cfg, "max_seq_len", wanted)), getattr(cfg, "min_trainable_seq_len", 1))
+    return math.ceil(length / step) * step
+
+
+def inputs(family_name: str, batch: int, seq_len: int, vocab: int, device) -> dict:
+    """Random tokens (B, T + 1) and, for GradMem, positions restarting where the query starts (T / 2)."""
+    tokens = torch.randint(0, vocab, (batch, seq_len + 1), device=device)
+    out = {"tokens": tokens}
+    if family_name == "gradmem":
+        half = seq_len // 2
+        row = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).to(device)
+        out["positions"] = row.expand(batch, -1)
+    return out
+
+
+def loss_of(model, batch: dict) -> torch.Tensor:
+    tokens = batch["tokens"]
+    kwargs = {"positions": batch["positions"]} if "positions" in batch else {}
+    out = model(tokens[:, :-1], **kwargs)
+    logits, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    for extra in rest:  # a model's own loss term (GradMem's write loss (B,))
+        if isinstance(extra, torch.Tensor) and extra.requires_grad and extra.is_floating_point():
+            loss = loss + extra.float().mean()
+    return loss
+
+
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 3) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def device_peak(device: torch.device, bf16: bool) -> tuple[float, str]:
+    """(peak FLOP/s, where it comes from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for fragment, peak in PEAK_BF16:
+            if fragment in name and bf16:
+                return peak, f"{name}: dense bf16 {peak / 1e12:.0f} TFLOP/s (table)"
+        peak = measured_matmul_flops(device, torch.bfloat16 if bf16 else torch.float32, 8192)
+        return peak, f"{name}: measured {'bf16' if bf16 else 'fp32'} 8192^3 matmul {peak / 1e12:.0f} TFLOP/s"
+    peak = measured_matmul_flops(device, torch.float32, 512)
+    return peak, f"CPU: measured fp32 512^3 matmul {peak / 1e9:.1f} GFLOP/s"
+
+
+def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: int, steps: int, warmup: int,
+          bf16: bool, compile_model: bool) -> Result:
+    """Train one flavor for warmup + steps steps; tokens/s over the timed steps."""
+    result = Result(name, flavor)
+    try:
+        model, cfg, flops_per_token = build(name, flavor)
+    except ImportError as e:
+        result.error = f"skipped: its registry module needs torchtitan ({e})"
+        return result
+    seq_len = shortest_length(cfg, seq_len)
+    model = model.to(device)
+    result.params = sum(p.numel() for p in model.parameters())
+    result.flops_per_token = flops_per_token(seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    run = torch.compile(model) if compile_model else model
+    data = inputs(load_family(name)[0].name, batch, seq_len, cfg.vocab_size, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = None
+    for step in range(warmup + steps):
+        if step == warmup:
+            sync()
+            start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(run, data)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sync()
+    result.tokens_per_s = steps * batch * seq_len / (time.perf_counter() - start)
+    if not torch.isfinite(loss.detach()).item():  # checked once, after timing: no host sync per step
+        result.error = f"loss {loss.item()} at the last step"
+    if device.type == "cuda":
+        result.peak_memory = torch.cuda.max_memory_allocated(device)
+    return result
+
+
+def parse_models(text: str | None, dry_run: bool) -> list[tuple[str, str]]:
+    """"name:flavor,name,..." (a bare name takes its paper or, dry run, debug flavor)."""
+    defaults = DEBUG if dry_run else PAPER
+    if not text:
+        return list(defaults.items())
+    out = []
+    for item in text.split(","):
+        name, _, flavor = item.strip().partition(":")
+        out.append((name, flavor or defaults.get(name) or PAPER.get(name.split("_")[0], "")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=None, help="name[:flavor],... (default: every family's paper flavor)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step (this loop has no activation "
+                        "checkpointing: titans_mac 400m with its checkpoint_chunks 4 keeps ~0.8 GiB per block per 8 x 512 tokens)")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the whole model")
+    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (always so on CPU)")
+    parser.add_argument("--dry-run", action="store_true", help="debug flavors, fp32, batch 2, 3 steps, 64 tokens")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.batch, args.seq_len, args.steps, args.warmup, args.fp32 = 2, 64, 2, 1, True
+    device = torch.device(args.device)
+    bf16 = device.type == "cuda" and not args.fp32
+    torch.manual_seed(0)
+    peak, source = device_peak(device, bf16)
+    print(f"torch {torch.__version__}; {source}; {'bf16 autocast' if bf16 else 'fp32'}"
+          f"{', torch.compile' if args.compile else ''}; batch {args.batch}; seq_len {args.seq_len} "
+          f"(raised to what a model needs); {args.steps} timed steps after {args.warmup}")
+    print(f"{'model':<14} {'flavor':<12} {'params':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7} {'peak GiB':>9}")
+    failed = False
+    for name, flavor in parse_models(args.models, args.dry_run):
+        try:
+            r = bench(name, flavor, device=device, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
+                      warmup=args.warmup, bf16=bf16, compile_model=args.compile)
+        except torch.cuda.OutOfMemoryError:
+            r = Result(name, flavor, error="out of memory: lower --batch or --seq-len")
+            torch.cuda.empty_cache()
+        except Exception as e:  # one model's failure is one row; the exit status says so
+            r = Result(name, flavor, error=f"failed: {type(e).__name__}: {e}")
+        if r.error:
+            failed |= not r.error.startswith("skipped")
+            print(f"{name:<14} {flavor:<12} {r.error}")
+            continue
+        achieved = r.tokens_per_s * r.flops_per_token
+        memory = f"{r.peak_memory / 2**30:9.1f}" if r.peak_memory else f"{'-':>9}"
+        print(f"{name:<14} {flavor:<12} {r.params / 1e6:7.1f}M {r.tokens_per_s:10,.0f} {achieved / 1e12:8.3f} "
+              f"{achieved / peak:7.2%} {memory}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
