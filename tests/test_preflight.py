@@ -90,12 +90,13 @@ PAPER_CONFIGS = [("train_configs.transformer", "transformer_400m"), ("train_conf
 @pytest.mark.parametrize("module,config", PAPER_CONFIGS, ids=[c for _, c in PAPER_CONFIGS])
 def test_paper_recipes_keep_the_global_batch_on_any_rank_count_dividing_it(module, config, ranks):
     """0.5M tokens = 128 sequences of 4096 per step on 1 to 128 ranks: the recipe's local
-    batch (a ceiling of 8) is lowered to fit, torchtitan accumulates the rest."""
+    batch (a ceiling: 8, Titans' 2) is lowered to fit, torchtitan accumulates the rest."""
     parsed = cli.parse(["--module", module, "--config", config])
+    ceiling = parsed.training.local_batch_size
     local = preflight.fitted_local_batch(parsed, ranks, explicit=False)
     assert parsed.training.global_batch_size * parsed.training.seq_len == 2**19
     accumulation, remainder = divmod(parsed.training.global_batch_size, local * ranks)
-    assert remainder == 0 and accumulation >= 1 and local == min(8, 128 // ranks)
+    assert remainder == 0 and accumulation >= 1 and local == min(ceiling, 128 // ranks)
 
 
 def test_batch_arithmetic_that_cannot_work_is_one_clear_error():
