@@ -3,7 +3,8 @@ inside a Hugging Face export and run without torchtitan.
 
 - `layers/`: shared building blocks: attention masks (`attention.py`), RoPE in both layouts
   (`rope.py`), FFNs (`ffn.py`), the one grouped-query attention, pre-norm block and plain
-  decoder-LM base (`decoder.py`), and which blocks a layer spec names (`graft_layers.py`);
+  decoder-LM base (`decoder.py`), which blocks a layer spec names (`graft_layers.py`), and the
+  FLOP-count primitives every model's count is written with (`flops.py`);
 - `memory/`: test-time memories: the neural long-term memory (Titans, Mela, MemoryLlama),
   Locas' sideways FFN memories (`locas.py`, `nl_svd.py`, `swiglu_memory.py`) and GradMem's
   gradient write (`gradmem.py`);

@@ -513,3 +513,24 @@ def test_a_grafted_finetune_from_hugging_face_keeps_the_backbone_and_exports(tmp
     with torch.no_grad():
         native = model.read(memory, query)
     assert (hf["logits"] - native).abs().max() < 1e-5
+
+
+def test_the_lm_builds_its_memory_through_the_graft_table(monkeypatch):
+    """GradMem is the "gradmem" row of models/grafts/graft.py's GRAFT_KINDS (trained, held by
+    an LM of its own): GradMemLM builds its memory through that row, with its config."""
+    import dataclasses
+
+    from models.grafts import graft
+    from models.memory.gradmem import GradMem
+
+    row, built = graft.GRAFT_KINDS["gradmem"], []
+
+    def recording(dim, vocab_size, cfg):
+        built.append((dim, vocab_size, cfg))
+        return row.build(dim, vocab_size, cfg)
+
+    assert row.form == "trained_lm" and row.config is GradMemConfig and row.build is GradMem
+    monkeypatch.setitem(graft.GRAFT_KINDS, "gradmem", dataclasses.replace(row, build=recording))
+    model = small()
+    assert built == [(16, VOCAB, model.cfg.gradmem)] and isinstance(model.gradmem, GradMem)
+    assert isinstance(GradMemLMConfig(gradmem={"n_mem": 2}).gradmem, GradMemConfig)

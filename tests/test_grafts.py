@@ -151,15 +151,25 @@ class ToyGraftBlock(torch.nn.Module):
         return self(x, positions, None), cache
 
 
+def toy_flops(cfg, seq_len):
+    """The toy block's FLOP count: no matmul changed in the backbone; the bias add, taken as
+    one FLOP per channel for the test's sake, on the two grafted blocks."""
+    return 0.0, 2.0 * cfg.dim
+
+
 def test_a_new_graft_kind_is_one_table_row(monkeypatch):
     """Adding a kind touches its own module and one line of GRAFT_KINDS: config check, block
-    swap, freezing, init and diagnostics follow from the row."""
+    swap, freezing, init, diagnostics and the FLOP count follow from the row."""
     from models.backbones.decoder_lm import DecoderLM
     from models.grafts import graft
-    from torchtitan_ext.families.backbone import model_config
+    from torchtitan_ext.families.backbone import flops_per_token, model_config
 
-    monkeypatch.setitem(graft.GRAFT_KINDS, "toy", graft.GraftKind(graft_block=ToyGraftBlock))
-    model = DecoderLM(model_config("qwen3_debug", graft=graft.GraftConfig(kind="toy", layers="alma")))
+    monkeypatch.setitem(graft.GRAFT_KINDS, "toy", graft.GraftKind(build=ToyGraftBlock, flops=toy_flops))
+    monkeypatch.setitem(graft.GRAFT_KINDS, "toy_uncounted", graft.GraftKind(build=ToyGraftBlock))
+    config = model_config("qwen3_debug", graft=graft.GraftConfig(kind="toy", layers="alma"))
+    uncounted = model_config("qwen3_debug", graft=graft.GraftConfig(kind="toy_uncounted", layers="alma"))
+    assert flops_per_token(config, 64) == flops_per_token(uncounted, 64) + 3 * 2 * config.dim  # trained: 3 passes
+    model = DecoderLM(config)
     n_layers = len(model.layers)
     grafted = [i for i in range(n_layers) if isinstance(model.layers[str(i)], ToyGraftBlock)]
     assert grafted == [n_layers - 2, n_layers - 1]
@@ -171,3 +181,23 @@ def test_a_new_graft_kind_is_one_table_row(monkeypatch):
     assert set(graft.graft_diagnostics(model)) == {f"memory/layer{i}/bias_norm" for i in grafted}
     with pytest.raises(ValueError, match="graft kind 'toy2' unknown"):
         graft.GraftConfig(kind="toy2")
+
+
+@pytest.mark.parametrize("kind,says", [("locas", "attached to a trained model at test time"),
+                                       ("gradmem", "an LM of its own")])
+def test_a_backbone_config_takes_only_block_kinds(kind, says):
+    """Locas and GradMem are rows of the same table but not block grafts: a backbone's
+    GraftConfig refuses them, saying how they go in."""
+    from models.grafts.graft import GRAFT_KINDS, GraftConfig
+
+    assert GRAFT_KINDS[kind].form != "trained_block"
+    with pytest.raises(ValueError, match=f"graft kind '{kind}' is {says}.*choose one of \\('none', 'lora', "
+                                         "'memoryllama', 'mone'\\)"):
+        GraftConfig(kind=kind)
+
+
+def test_a_row_names_a_known_form():
+    from models.grafts.graft import GraftKind
+
+    with pytest.raises(ValueError, match="graft form 'sometimes' unknown"):
+        GraftKind(form="sometimes")

@@ -109,8 +109,10 @@ def test_models_import_only_torch_kernels_and_themselves():
 
 
 def test_the_flop_primitives_import_no_model():
-    names = imported_names("torchtitan_ext.flops", REPO / "torchtitan_ext" / "flops.py")
-    assert not [n for n in names if n.split(".")[0] in ("models", "torchtitan_ext", "train_configs")], names
+    """torchtitan_ext/flops.py names the primitives of models/layers/flops.py (a layer, so it
+    knows no model) and imports nothing else of the project."""
+    targets = import_graph(REPO)["torchtitan_ext.flops"]
+    assert targets <= {"models.layers.flops"}, targets
 
 
 def test_scripts_import_no_other_script_and_are_on_no_import_path():
@@ -127,23 +129,53 @@ def test_scripts_import_no_other_script_and_are_on_no_import_path():
     assert "scripts" not in str(options.get("pythonpath", "")), options["pythonpath"]
 
 
-def test_models_layers_and_memories_import_downward_only():
+# (package, the models/ packages it may import): layers know nothing else of models/; a memory
+# knows no graft, LM or backbone; only grafts and backbones hold grafts (`layering_violations`).
+MODELS_RULES = (("models.layers", ("models.layers",)),
+                ("models.memory", ("models.layers", "models.memory")))
+
+
+def layering_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """{module: the models/ modules it imports against MODELS_RULES}; a module of models/
+    outside grafts/ and backbones/ may not import grafts/."""
+    found = {}
+    for module, targets in graph.items():
+        if not module.startswith("models"):
+            continue
+        allowed = next((a for package, a in MODELS_RULES if module.startswith(package)), None)
+        bad = sorted(t for t in targets if t.startswith("models.") and (
+            (allowed is not None and not t.startswith(allowed))
+            or (t.startswith("models.grafts") and not module.startswith(("models.grafts", "models.backbones")))))
+        if bad:
+            found[module] = bad
+    return found
+
+
+def test_models_import_downward_only():
     """models/layers/ imports nothing else from models/; models/memory/ only models/layers/,
-    itself and kernels/ (a memory knows no graft, LM or backbone)."""
-    graph = import_graph(REPO)
-    upward = {module: sorted(target for target in targets if target.startswith("models")
-                             and not target.startswith(allowed))
-              for package, allowed in (("models.layers", ("models.layers",)),
-                                       ("models.memory", ("models.layers", "models.memory")))
-              for module, targets in graph.items() if module.startswith(package)}
-    assert not {module: targets for module, targets in upward.items() if targets}, upward
+    itself and kernels/; only grafts/ and backbones/ import models/grafts/ (so Locas' and
+    GradMem's memories are rows of the graft table without importing it)."""
+    violations = layering_violations(import_graph(REPO))
+    assert not violations, violations
 
 
-def test_only_grafts_and_backbones_import_grafts():
-    """A graft is what a backbone holds: no model under models/ other than grafts/ and
-    backbones/ imports models/grafts/."""
-    graph = import_graph(REPO)
-    reaching = {module: sorted(t for t in targets if t.startswith("models.grafts"))
-                for module, targets in graph.items()
-                if module.startswith("models") and not module.startswith(("models.grafts", "models.backbones"))}
-    assert not {module: found for module, found in reaching.items() if found}, reaching
+def test_the_layering_check_sees_an_upward_import(tmp_path):
+    """A memory importing the graft table, a layer importing a memory and an LM importing a
+    graft are each reported; the same files importing downward are not."""
+    files = {"models/layers/ffn.py": "from models.memory.locas import attach_locas\n",
+             "models/memory/locas.py": "from models.grafts.graft import GRAFT_KINDS\n",
+             "models/lms/mlp_lm.py": "from models.grafts.lora import LoRAConfig\n",
+             "models/grafts/graft.py": "from models.memory import locas\n",
+             "models/grafts/lora.py": "", "models/backbones/decoder_lm.py": "from models.grafts import graft\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    for package in ("models", "models/layers", "models/memory", "models/lms", "models/grafts", "models/backbones"):
+        (tmp_path / package / "__init__.py").write_text("")
+    assert layering_violations(import_graph(tmp_path)) == {"models.layers.ffn": ["models.memory.locas"],
+                                                          "models.memory.locas": ["models.grafts.graft"],
+                                                          "models.lms.mlp_lm": ["models.grafts.lora"]}
+    (tmp_path / "models/memory/locas.py").write_text("from models.layers import ffn\n")
+    (tmp_path / "models/layers/ffn.py").write_text("import torch\n")
+    (tmp_path / "models/lms/mlp_lm.py").write_text("from models.memory.locas import attach_locas\n")
+    assert layering_violations(import_graph(tmp_path)) == {}

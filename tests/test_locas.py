@@ -328,6 +328,28 @@ def test_seeds_pool_the_seeded_methods_and_report_each_seed():
     assert "; seeds " in markdown(results) and "then documents" in markdown(results)
 
 
+@pytest.mark.parametrize("model_fn,spec,variant", [(qwen3_model, "locas_glu:bottomk", "glu"),
+                                                   (mlp_model, "locas_mlp:nlsvd", "mlp")])
+def test_the_reader_attaches_locas_through_the_graft_table(monkeypatch, model_fn, spec, variant):
+    """Locas is the "locas" row of models/grafts/graft.py's GRAFT_KINDS (attached at test
+    time): the whole-book reader attaches it through that row, with the method's config."""
+    import dataclasses
+
+    from models.grafts import graft
+
+    row, attached = graft.GRAFT_KINDS["locas"], []
+
+    def recording(model, cfg):
+        attached.append(cfg)
+        return row.build(model, cfg)
+
+    assert row.form == "test_time" and row.config is LocasConfig and row.build is attach_locas
+    monkeypatch.setitem(graft.GRAFT_KINDS, "locas", dataclasses.replace(row, build=recording))
+    reader = Reader(model_fn(), spec, Protocol(chunk=8, window=16, rank=8))
+    assert [(c.variant, c.rank) for c in attached] == [(variant, 8)]
+    assert all(isinstance(block.feed_forward, SidewaysFFN) for block in reader.model.layers.values())
+
+
 def test_bad_methods_are_clear_errors():
     with pytest.raises(UserError, match="Locas-GLU needs a SwiGLU FFN"):
         Reader(mlp_model(), "locas_glu", PROTOCOL)

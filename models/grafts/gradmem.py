@@ -1,4 +1,5 @@
-"""A Llama / Qwen3 decoder with a GradMem prefix memory (`models/memory/gradmem.py`): trained
+"""A Llama / Qwen3 decoder with a GradMem prefix memory (`models/memory/gradmem.py`, the "gradmem"
+row of `models/grafts/graft.py`'s GRAFT_KINDS, whose `build` and config class this LM uses): trained
 from scratch (the paper's 4-layer, 4-head, 128-wide Llama on KV-retrieval) or grafted onto a
 pretrained backbone loaded from Hugging Face (the backbone frozen, optionally with LoRA).
 
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
-from models.grafts.graft import graft_parameters
-from models.memory.gradmem import GradMem, GradMemConfig
+from models.grafts.graft import GRAFT_KINDS, graft_parameters
+from models.memory.gradmem import GradMemConfig
 
 
 @dataclass
@@ -33,7 +34,7 @@ class GradMemLMConfig(DecoderLMConfig):
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.gradmem, dict):
-            self.gradmem = GradMemConfig(**self.gradmem)
+            self.gradmem = GRAFT_KINDS["gradmem"].config(**self.gradmem)
         if self.graft.kind not in ("none", "lora"):
             raise ValueError(f"GradMem takes graft kind 'none' or 'lora' beside its memory, not '{self.graft.kind}'")
 
@@ -53,7 +54,7 @@ class GradMemLM(DecoderLM):
 
     def __init__(self, cfg: GradMemLMConfig):
         super().__init__(cfg)
-        self.gradmem = GradMem(cfg.dim, cfg.vocab_size, cfg.gradmem)
+        self.gradmem = GRAFT_KINDS["gradmem"].build(cfg.dim, cfg.vocab_size, cfg.gradmem)
         if not cfg.train_backbone:
             trainable = {id(p) for p in [*graft_parameters(self), *self.gradmem.parameters()]}
             for parameter in self.parameters():

@@ -100,6 +100,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.layers.flops import (attention_span, FORWARD_ONLY, linear, memory_mlp, neural_memory, newton_schulz,
+                                 TRAIN)
+from models.layers.graft_layers import graft_layers
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
 INITS = ("exact", "thesis")
@@ -147,6 +150,29 @@ def memory_config(dim: int, cfg: MemoryLlamaConfig) -> NeuralMemoryConfig:
                               residual=cfg.residual, chunk_size=cfg.chunk_size, conv_kernel=0, output_norm=False,
                               output_gate=False, output_proj=cfg.output_proj, read_after_write=cfg.read_after_write,
                               max_lr=cfg.max_lr, **rule)
+
+
+def memory_llama_flops(cfg, seq_len: int) -> tuple[float, float]:
+    """What MemoryLlama's blocks change per token of a `DecoderLMConfig` (its `graft`), in
+    forward matmul FLOPs (models/layers/flops.py): (backbone, graft). Per grafted block the
+    graft adds the memory's write (`neural_memory`), the read of h (W_q, M, the output
+    projection when on), the read of m and W_DP, W_g; the backbone's attention attends over
+    (seq_len + C) / 2 keys on average (what the chunk-by-chunk attention computes) in place of
+    seq_len. The last chunk's Newton-Schulz write runs forward only (no later chunk reads it),
+    taken off as its share (TRAIN - FORWARD_ONLY) / TRAIN of the graft's trained count."""
+    graft, d, q = cfg.graft, cfg.dim, cfg.n_heads * cfg.head_dim
+    memory = memory_config(d, graft.memory)
+    read_h = linear(d, d) + memory_mlp(memory) + (linear(d, d) if memory.output_proj else 0)
+    per_block = neural_memory(memory) + read_h + linear(2 * d, d) + linear(d, d)
+    grafted = len(graft_layers(graft.layers, cfg.n_layers))
+    added = grafted * per_block
+    chunk = min(graft.memory.chunk_size, seq_len)
+    backbone = -grafted * (attention_span(q, seq_len) - attention_span(q, (seq_len + chunk) / 2))
+    if memory.newton_schulz_steps and seq_len % chunk == 0:  # nothing reads the last chunk's write: no backward
+        last_write = memory.n_heads * sum(newton_schulz(i, o, memory.newton_schulz_steps)
+                                          for i, o in memory.layer_shapes())
+        added -= grafted * (TRAIN - FORWARD_ONLY) / TRAIN * last_write / seq_len
+    return backbone, added
 
 
 class MemoryLlamaBlock(nn.Module):

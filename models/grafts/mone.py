@@ -67,6 +67,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.grafts.lora import LoRAConfig
+from models.layers.flops import attention_span, FORWARD_ONLY, linear, TRAIN
+from models.layers.graft_layers import graft_layers
 from models.memory.swiglu_memory import column_norms, segment_write, swiglu_forward
 
 MONE_LORA = LoRAConfig(rank=128, alpha=128.0, dropout=0.0, targets=("q", "k", "v"))  # appendix A.2
@@ -83,6 +85,33 @@ class MoNeConfig:
     def __post_init__(self):
         if self.heads < 1 or self.segment < 1 or self.base_lr <= 0:
             raise ValueError(f"MoNe needs heads >= 1, segment >= 1 and base_lr > 0, got {self}")
+
+
+def mone_flops(cfg, seq_len: int) -> tuple[float, float]:
+    """What MoNe's blocks change per token of a `DecoderLMConfig` (its `graft`), in forward
+    matmul FLOPs (models/layers/flops.py): (backbone, graft). The backbone's W_k, W_v project
+    the memory tokens too, and each query attends over its segment's tokens and memory tokens
+    (2T keys) in place of seq_len. The graft reads M (SwiGLU) and the gate per token, LoRA on
+    W_k / W_v runs on the memory tokens too, and every full segment is written (M forward on k,
+    the explicit gradient's four products); the last segment's write runs forward only when
+    nothing reads it (seq_len a multiple of T), taken as its FORWARD_ONLY / TRAIN share."""
+    graft = cfg.graft
+    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    heads, segment = graft.memory.heads, min(graft.memory.segment, seq_len)
+    in_h, out_h = q // heads, d // heads
+    hidden = graft.memory.hidden or in_h
+    swiglu = heads * (2 * linear(in_h, hidden) + linear(hidden, out_h))
+    read = swiglu + heads * linear(in_h, out_h) + linear(d, heads)
+    write = swiglu + heads * (2 * linear(hidden, out_h) + 2 * linear(in_h, hidden))
+    full = seq_len // segment
+    read_later = full if seq_len % segment else full - 1
+    write_per_token = write * segment * (read_later + (full - read_later) * FORWARD_ONLY / TRAIN) / seq_len
+    lora = graft.lora
+    lora_on_memory = 0.0 if lora is None else sum(linear(d, lora.rank) + linear(lora.rank, kv)
+                                                  for t in ("k", "v") if t in lora.targets)
+    grafted = len(graft_layers(graft.layers, cfg.n_layers))
+    backbone = grafted * (2 * linear(d, kv) + attention_span(q, 2 * segment) - attention_span(q, seq_len))
+    return backbone, grafted * (read + write_per_token + lora_on_memory)
 
 
 class MoNeCache(NamedTuple):

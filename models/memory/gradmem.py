@@ -36,7 +36,9 @@ Section 2.1 and appendix C, with the authors' public code's choices where the pa
   double backward. The read is differentiated once and keeps the fast kernels.
 
 Host model: `tok_embeddings`, `decode(embeddings, rope_positions)` (the blocks and the final
-norm) and `lm_head` (`models/grafts/gradmem.py`'s `GradMemLM`).
+norm) and `lm_head` (`models/grafts/gradmem.py`'s `GradMemLM`, which builds this memory through
+the "gradmem" row of models/grafts/graft.py's graft table; `gradmem_flops` below is the
+row's FLOP count: training FLOPs per token of the whole LM).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel, SDPBackend
+
+from models.layers.flops import attention_span, decoder_block_linears, linear, lora, TRAIN
 
 WRITES = ("gradient", "forward")
 META_GRADIENTS = ("second", "first", "none")
@@ -210,3 +214,55 @@ def gradmem_diagnostics(model: nn.Module) -> dict[str, float]:
     """`memory/gradmem/...`: the `last_stats` of the GradMem module's last write (found through wrappers)."""
     return {f"memory/gradmem/{key}": float(value) for module in model.modules() if isinstance(module, GradMem)
             for key, value in module.last_stats.items()}
+
+
+def gradmem_flops(cfg, seq_len: int) -> float:
+    """Training FLOPs per token of a GradMem LM (`models/grafts/gradmem.py`'s GradMemLMConfig)
+    on rows of seq_len tokens, each taken as all context (`row_flops` with no read tokens: a
+    KV row's query and answer are 9 of its 7n + 9 tokens)."""
+    return row_flops(cfg, seq_len, 0)
+
+
+def row_flops(cfg, context: int, read: int) -> float:
+    """Per token of a row of `context` + `read` tokens: K WRITE steps over the context, the
+    read over [M; read tokens], the head over the row. Per token through the backbone: linears
+    `lin`, LoRA `lora`, attention over a span S `att(S)`, the head `head`; in a backward a
+    trained linear counts 2 (activations and weights), a frozen one 1, attention 2.
+    Gradient WRITE, per step over T = m + c tokens (c of them through the heads): the forward
+    (1), the inner gradient w.r.t. the memory (activations only: 1 per linear and head, 2 per
+    attention) and the outer backward through both (the forward's: 2 / 1 per linear, 2 per
+    attention; the inner gradient's double backward, each of its products differentiated in
+    both inputs: 2 / 1 per linear, 4 per attention); the WRITE head's Delta is trained.
+    First-order writes (`meta_gradient` "first" / "none"): each step is the forward and the
+    inner gradient only, and the outer backward runs through the last step's forward alone
+    (the write-loss term; no double backward).
+    Forward WRITE, per step over [M; C; M] (2m + c tokens): a trained forward + backward.
+    The read trains as a plain step over its m + r tokens. The optional memory projection P
+    (m x d x d per write, off in the KV runs) is not counted."""
+    m, steps = cfg.gradmem.n_mem, cfg.gradmem.write_steps
+    q = cfg.n_heads * cfg.head_dim
+    trained = 2 if cfg.train_backbone else 1  # backward products of a backbone linear
+    lin, adapters = cfg.n_layers * decoder_block_linears(cfg), lora(cfg)
+    head = linear(cfg.dim, cfg.vocab_size)
+
+    def att(span: float) -> float:
+        return cfg.n_layers * attention_span(q, span)
+
+    def plain_step(span: float) -> float:
+        return (1 + trained) * lin + TRAIN * (adapters + att(span))
+
+    if cfg.gradmem.write == "gradient":
+        span = m + context
+        write_head = head if cfg.gradmem.write_head else 0.0
+        if cfg.gradmem.meta_gradient == "second":
+            per_step = span * ((2 + 2 * trained) * lin + 6 * adapters + 9 * att(span)) + \
+                context * ((2 + 2 * trained) * head + 6 * write_head)
+        else:
+            write_and_gradient = span * (2 * lin + 2 * adapters + 3 * att(span)) + context * (2 * head + 2 * write_head)
+            last_backward = span * (trained * lin + 2 * adapters + 2 * att(span)) + context * (trained * head + 2 * write_head)
+            per_step = write_and_gradient + last_backward / steps
+    else:
+        span = 2 * m + context
+        per_step = span * plain_step(span)
+    row = context + read
+    return (steps * per_step + (m + read) * plain_step(m + read)) / row + (1 + trained) * head

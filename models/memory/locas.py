@@ -35,9 +35,10 @@ output (figure 2): H_out = FFN(A) + tau * Locas(A). Two variants (section 2.2):
   back-propagation like Locas-GLU.
 
 `attach_locas` puts a memory beside the chosen blocks' FFNs (`SidewaysFFN`) and freezes
-everything else; `merge_locas` folds the memories into the FFNs (appended channels; layers
-with narrower memories padded with zero channels, act(0) = 0 keeping them exact) so the model
-needs no Locas code. Extra parameters: 3 L d r (GLU), 2 L d r (MLP; NL-SVD holds up to 2r
+everything else (the "locas" row of models/grafts/graft.py's graft table, attached at test
+time, with `locas_flops` its FLOP count); `merge_locas` folds the memories into the FFNs
+(appended channels; layers with narrower memories padded with zero channels, act(0) = 0
+keeping them exact) so the model needs no Locas code. Extra parameters: 3 L d r (GLU), 2 L d r (MLP; NL-SVD holds up to 2r
 between compressions).
 
 Shapes: A (..., d); memories' rows (r, d); fast weights kept in float32.
@@ -52,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers.flops import linear
 from models.layers.graft_layers import graft_layers
 from models.layers.ffn import SwiGLU
 from models.memory.nl_svd import compress_if_full
@@ -279,6 +281,18 @@ def memory_parameters(sideways: list[SidewaysFFN]) -> list[nn.Parameter]:
 def extra_parameters(cfg: LocasConfig, n_layers: int, dim: int) -> int:
     """The paper's count (section 3.3.2): 3 L d r for Locas-GLU, 2 L d r for Locas-MLP."""
     return (3 if cfg.variant == "glu" else 2) * len(graft_layers(cfg.layers, n_layers)) * dim * cfg.rank
+
+
+def locas_flops(cfg: LocasConfig, n_layers: int, dim: int) -> float:
+    """Forward matmul FLOPs per token the memories add to the model they are attached to, at
+    their widest (models/layers/flops.py): per memory block, Locas-GLU's G, K, V (3 products
+    of d x r), Locas-MLP's K, V over its slots (2 products of d x n; n at most r with "bp",
+    2r with "nlsvd", which compresses at 2r)."""
+    if cfg.variant == "glu":
+        per_block = 3 * linear(dim, cfg.rank)
+    else:
+        per_block = 2 * linear(dim, (2 if cfg.update == "nlsvd" else 1) * cfg.rank)
+    return len(graft_layers(cfg.layers, n_layers)) * per_block
 
 
 @torch.no_grad()

@@ -49,8 +49,9 @@ import torch
 import torch.nn.functional as F
 
 from models.grafts.lora import apply_lora, LoRAConfig, TARGETS
-from models.memory.locas import (attach_locas, GLU_INITS, grow_mlp_memories, init_glu_memories, LocasConfig,
-                                 memory_parameters, MLP_UPDATES)
+from models.grafts.graft import GRAFT_KINDS
+from models.memory.locas import (GLU_INITS, grow_mlp_memories, init_glu_memories, LocasConfig, memory_parameters,
+                                 MLP_UPDATES)
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.stats import format_summary, summarize_seeds
 
@@ -122,7 +123,7 @@ class Reader:
                                      **({"init": self.option} if self.kind == "locas_glu" else {"update": self.option}),
                                      value_scale=protocol.value_scale, gradient=protocol.gradient, seed=seed)
             try:
-                self.sideways = attach_locas(self.model, self.locas)
+                self.sideways = GRAFT_KINDS["locas"].build(self.model, self.locas)
             except ValueError as e:
                 raise UserError(f"--ttt {spec}: {e}") from None
             params = memory_parameters(self.sideways)

@@ -25,9 +25,7 @@ import torch
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from models.backbones.decoder_lm import config_from_hf, DecoderLM, DecoderLMConfig
-from models.grafts.graft import graft_diagnostics
-from models.layers.graft_layers import graft_layers
-from models.grafts.memory_llama import memory_config
+from models.grafts.graft import graft_diagnostics, GRAFT_KINDS
 from torchtitan_ext import flops
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import Family
@@ -201,73 +199,19 @@ def hf_config(cfg: DecoderLMConfig):
                        architectures=["LlamaForCausalLM"])
 
 
-def lora_flops(cfg: DecoderLMConfig) -> float:
-    """One token through every LoRA factor of the graft (0 without LoRA)."""
-    graft = cfg.graft
-    if graft.lora is None:
-        return 0.0
-    d, q, kv, r = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, graft.lora.rank
-    shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, cfg.ffn_hidden),
-              "up": (d, cfg.ffn_hidden), "down": (cfg.ffn_hidden, d)}
-    per_block = sum(flops.linear(shapes[t][0], r) + flops.linear(r, shapes[t][1]) for t in graft.lora.targets)
-    return per_block * len(graft_layers(graft.lora_layers or graft.layers, cfg.n_layers))
-
-
 def flops_per_token(cfg: DecoderLMConfig, seq_len: int) -> float:
     """Per token: the backbone's GQA projections (explicit head_dim) and span, SwiGLU FFN,
-    output head, and what a graft adds: LoRA factors; a MemoryLlama block's memory (write,
-    the read of m and the read of h), W_DP and W_g, its chunked attention attending over
-    (seq_len + chunk) / 2 keys on average (what the chunk-by-chunk attention computes) in
-    place of the block's seq_len; the last chunk's Newton-Schulz write runs forward only
-    (no later chunk reads it); a MoNe block's (`mone`). A frozen backbone's matmuls count 2x
-    their forward (the activations' gradient is still taken, the weights' is not), trained ones 3x."""
+    output head, and what a graft adds: LoRA factors (`flops.lora`) and its kind's row of
+    `GRAFT_KINDS` (the FLOP column: what its blocks change in the backbone and add, forward).
+    A frozen backbone's matmuls count 2x their forward (the activations' gradient is still
+    taken, the weights' is not), trained ones and the graft's 3x."""
     d, q = cfg.dim, cfg.n_heads * cfg.head_dim
-    graft, added = cfg.graft, lora_flops(cfg)
     backbone = cfg.n_layers * (flops.decoder_block_linears(cfg) + flops.attention_span(q, seq_len)) + flops.linear(d, cfg.vocab_size)
-    if graft.kind == "memoryllama":
-        memory = memory_config(d, graft.memory)
-        read_h = flops.linear(d, d) + flops.memory_mlp(memory) + (flops.linear(d, d) if memory.output_proj else 0)
-        per_block = flops.neural_memory(memory) + read_h + flops.linear(2 * d, d) + flops.linear(d, d)
-        grafted = len(graft_layers(graft.layers, cfg.n_layers))
-        added += grafted * per_block
-        chunk = min(graft.memory.chunk_size, seq_len)
-        backbone -= grafted * (flops.attention_span(q, seq_len) - flops.attention_span(q, (seq_len + chunk) / 2))
-        if memory.newton_schulz_steps and seq_len % chunk == 0:  # nothing reads the last chunk's write: no backward
-            last_write = memory.n_heads * sum(flops.newton_schulz(i, o, memory.newton_schulz_steps)
-                                              for i, o in memory.layer_shapes())
-            added -= grafted * (flops.TRAIN - flops.FORWARD_ONLY) / flops.TRAIN * last_write / seq_len
-    if graft.kind == "mone":
-        backbone_extra, mone_added = mone_flops(cfg, seq_len)
-        backbone += backbone_extra
-        added += mone_added
-    frozen = graft.kind != "none" and graft.train == "graft"
-    return (flops.FORWARD_AND_INPUT_GRAD if frozen else flops.TRAIN) * backbone + flops.TRAIN * added
-
-
-def mone_flops(cfg: DecoderLMConfig, seq_len: int) -> tuple[float, float]:
-    """What MoNe's blocks change per token: (backbone matmuls, graft matmuls). The backbone's
-    W_k, W_v project the memory tokens too, and each query attends over its segment's tokens
-    and memory tokens (2T keys) in place of seq_len. The graft reads M (SwiGLU) and the gate
-    per token, LoRA on W_k / W_v runs on the memory tokens too, and every full segment is
-    written (M forward on k, the explicit gradient's four products); the last segment's write
-    runs forward only when nothing reads it (seq_len a multiple of T)."""
-    graft = cfg.graft
-    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    heads, segment = graft.memory.heads, min(graft.memory.segment, seq_len)
-    in_h, out_h = q // heads, d // heads
-    hidden = graft.memory.hidden or in_h
-    swiglu = heads * (2 * flops.linear(in_h, hidden) + flops.linear(hidden, out_h))
-    read = swiglu + heads * flops.linear(in_h, out_h) + flops.linear(d, heads)
-    write = swiglu + heads * (2 * flops.linear(hidden, out_h) + 2 * flops.linear(in_h, hidden))
-    full = seq_len // segment
-    read_later = full if seq_len % segment else full - 1
-    write_per_token = write * segment * (read_later + (full - read_later) * flops.FORWARD_ONLY / flops.TRAIN) / seq_len
-    lora = graft.lora
-    lora_on_memory = 0.0 if lora is None else sum(flops.linear(d, lora.rank) + flops.linear(lora.rank, kv)
-                                                  for t in ("k", "v") if t in lora.targets)
-    grafted = len(graft_layers(graft.layers, cfg.n_layers))
-    backbone = grafted * (2 * flops.linear(d, kv) + flops.attention_span(q, 2 * segment) - flops.attention_span(q, seq_len))
-    return backbone, grafted * (read + write_per_token + lora_on_memory)
+    kind = GRAFT_KINDS[cfg.graft.kind]
+    changed, added = kind.flops(cfg, seq_len) if kind.flops else (0.0, 0.0)
+    frozen = cfg.graft.kind != "none" and cfg.graft.train == "graft"
+    return ((flops.FORWARD_AND_INPUT_GRAD if frozen else flops.TRAIN) * (backbone + changed)
+            + flops.TRAIN * (flops.lora(cfg) + added))
 
 
 FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen2 / Qwen3 decoder (loads Hugging Face checkpoints; grafts "

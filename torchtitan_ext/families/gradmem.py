@@ -1,5 +1,6 @@
 """The GradMem family (`models/grafts/gradmem.py`): flavors, the outer loss, the checks a run must
-pass (its KV-retrieval scoring: torchtitan_ext/eval/gradmem_kv.py).
+pass (its KV-retrieval scoring: torchtitan_ext/eval/gradmem_kv.py; its FLOP count: the "gradmem"
+row of `models/grafts/graft.py`'s `GRAFT_KINDS`, `models/memory/gradmem.py`'s `gradmem_flops`).
 
 Flavors:
 
@@ -31,8 +32,8 @@ import torch
 from torchtitan.components.loss import ChunkedLossWrapper, IGNORE_INDEX
 
 from models.grafts.gradmem import GradMemLM, GradMemLMConfig
+from models.grafts.graft import GRAFT_KINDS
 from models.memory.gradmem import gradmem_diagnostics
-from torchtitan_ext import flops
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.families import backbone, Family
 
@@ -139,62 +140,11 @@ def parallelize_gradmem(model, *, parallel_dims, training, parallelism, compile_
     return model
 
 
-def flops_per_token(cfg: GradMemLMConfig, seq_len: int) -> float:
-    """Per token of a GradMem row of seq_len tokens, taken as all context (`row_flops` with
-    no read tokens: a KV row's query and answer are 9 of its 7n + 9 tokens)."""
-    return row_flops(cfg, seq_len, 0)
-
-
-def row_flops(cfg: GradMemLMConfig, context: int, read: int) -> float:
-    """Per token of a row of `context` + `read` tokens: K WRITE steps over the context, the
-    read over [M; read tokens], the head over the row. Per token through the backbone: linears
-    `lin`, LoRA `lora`, attention over a span S `att(S)`, the head `head`; in a backward a
-    trained linear counts 2 (activations and weights), a frozen one 1, attention 2.
-    Gradient WRITE, per step over T = m + c tokens (c of them through the heads): the forward
-    (1), the inner gradient w.r.t. the memory (activations only: 1 per linear and head, 2 per
-    attention) and the outer backward through both (the forward's: 2 / 1 per linear, 2 per
-    attention; the inner gradient's double backward, each of its products differentiated in
-    both inputs: 2 / 1 per linear, 4 per attention); the WRITE head's Delta is trained.
-    First-order writes (`meta_gradient` "first" / "none"): each step is the forward and the
-    inner gradient only, and the outer backward runs through the last step's forward alone
-    (the write-loss term; no double backward).
-    Forward WRITE, per step over [M; C; M] (2m + c tokens): a trained forward + backward.
-    The read trains as a plain step over its m + r tokens. The optional memory projection P
-    (m x d x d per write, off in the KV runs) is not counted."""
-    m, steps = cfg.gradmem.n_mem, cfg.gradmem.write_steps
-    q = cfg.n_heads * cfg.head_dim
-    trained = 2 if cfg.train_backbone else 1  # backward products of a backbone linear
-    lin, adapters = cfg.n_layers * flops.decoder_block_linears(cfg), backbone.lora_flops(cfg)
-    head = flops.linear(cfg.dim, cfg.vocab_size)
-
-    def att(span: float) -> float:
-        return cfg.n_layers * flops.attention_span(q, span)
-
-    def plain_step(span: float) -> float:
-        return (1 + trained) * lin + flops.TRAIN * (adapters + att(span))
-
-    if cfg.gradmem.write == "gradient":
-        span = m + context
-        write_head = head if cfg.gradmem.write_head else 0.0
-        if cfg.gradmem.meta_gradient == "second":
-            per_step = span * ((2 + 2 * trained) * lin + 6 * adapters + 9 * att(span)) + \
-                context * ((2 + 2 * trained) * head + 6 * write_head)
-        else:
-            write_and_gradient = span * (2 * lin + 2 * adapters + 3 * att(span)) + context * (2 * head + 2 * write_head)
-            last_backward = span * (trained * lin + 2 * adapters + 2 * att(span)) + context * (trained * head + 2 * write_head)
-            per_step = write_and_gradient + last_backward / steps
-    else:
-        span = 2 * m + context
-        per_step = span * plain_step(span)
-    row = context + read
-    return (steps * per_step + (m + read) * plain_step(m + read)) / row + (1 + trained) * head
-
-
 def gradmem_spec(flavor: str, **overrides):
     """The family's ModelSpec: the plain-model spec with `parallelize_gradmem`."""
     from torchtitan_ext.families.plain_model import plain_model_spec, torchtitan_model
 
-    spec = plain_model_spec("gradmem", flavor, torchtitan_model(GradMemLM, GradMemLMConfig, flops_per_token),
+    spec = plain_model_spec("gradmem", flavor, torchtitan_model(GradMemLM, GradMemLMConfig, FAMILY.flops_per_token),
                             FAMILY.config(flavor, **overrides), backbone.HFBackboneAdapter)
     return dataclasses.replace(spec, parallelize_fn=parallelize_gradmem)
 
@@ -204,5 +154,5 @@ FAMILY = Family(name="gradmem", summary="GradMem: a prefix memory written by tes
                 config_class=GradMemLMConfig, plain_class=GradMemLM, build_spec=gradmem_spec,
                 state_dict_adapter=backbone.HFBackboneAdapter,
                 check_hf_folder=backbone.FAMILY.check_hf_folder, check_config=check_config,
-                diagnostics=gradmem_diagnostics, flops_per_token=flops_per_token)
+                diagnostics=gradmem_diagnostics, flops_per_token=GRAFT_KINDS["gradmem"].flops)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec
