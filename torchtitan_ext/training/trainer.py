@@ -81,6 +81,7 @@ class MemoryTrainer(Trainer):
         """[this rank's losses of the step finite, its gradient shards finite] as 1.0 / 0.0."""
         grads = [p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None]
         grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        grads = [g for g in grads if g.numel()]  # FSDP can leave a rank an empty shard (no inf-norm)
         grads_finite = torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all() if grads else True
         loss_finite = self._loss_finite.to(self.device)
         return torch.stack([loss_finite, torch.as_tensor(grads_finite, device=self.device)]).float()
