@@ -128,7 +128,7 @@ def saved_bytes(memory: NeuralMemory, batch: int, length: int) -> int:
 def flavor_memory_config(flavor: str, **options) -> tuple[NeuralMemoryConfig, int]:
     """(memory config, number of layers) of a Titans paper flavor."""
     spec = titans.model_config(flavor, variant="mac")
-    return dataclasses.replace(spec.memory, **options), spec.n_layers
+    return dataclasses.replace(spec.block_memory, **options), spec.n_layers
 
 
 def saved_bytes_per_token(flavor: str, length: int = FLAVOR_LENGTH, **options) -> float:

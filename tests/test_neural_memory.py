@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kernels.reference import newton_schulz_reference
 from models.memory.neural_memory import (
     associative_grads,
+    chunk_gates,
     chunk_step,
     chunked_memory,
     clip_surprise,
@@ -54,7 +55,9 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
     as a sum over the last K projections; per chunk, every token's gradient (autograd)
     taken at the weights before the chunk; then either the per-token scan
     S = eta_t S - theta_t u_t, M = (1 - alpha_t) M + S (gates="token"), or one step
-    S = mean(eta) S - sum theta_t u_t, M = (1 - mean(alpha)) M + [NS](S) (gates="chunk")."""
+    S = mean(eta) S - sum theta_t u_t, M = (1 - mean(alpha)) M + [NS](S) (gates="chunk").
+    With `max_update_norm` each chunk's additions to M and S by its gradients (the token scan
+    run from a zero state; the chunk rule's sum) are scaled to Frobenius norm <= the bound."""
     cfg = memory.cfg
     inner = cfg.n_heads * cfg.head_dim
     projected = x @ memory.to_qkv.weight.T  # (B, T, 3 * inner)
@@ -88,6 +91,10 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                 inp = F.silu(inp)
         return inp
 
+    def clip(g):  # the surprise bound (`max_update_norm`): a chunk's gradient sum scaled to norm <= bound
+        bound = cfg.max_update_norm
+        return g * min(1.0, bound / torch.linalg.matrix_norm(g).item()) if bound else g
+
     out = torch.zeros(x.shape[0], x.shape[1], cfg.n_heads, cfg.head_dim)
     for b, h in itertools.product(range(x.shape[0]), range(cfg.n_heads)):
         weights = [w[h].clone() for w in memory.initial()]
@@ -105,11 +112,21 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                     loss = ((net(leaves, k[b, t, h]) - v[b, t, h]) ** 2).sum()
                     grads[t] = torch.autograd.grad(loss, leaves)
             if cfg.gates == "token":
-                for t in tokens:
-                    momentum = [eta[b, t, h] * s - theta[b, t, h] * u for s, u in zip(momentum, grads[t])]
-                    weights = [(1 - alpha[b, t, h]) * w + s for w, s in zip(weights, momentum)]
+                def scan(weights, momentum, grads):
+                    for t in tokens:
+                        momentum = [eta[b, t, h] * s - theta[b, t, h] * u for s, u in zip(momentum, grads[t])]
+                        weights = [(1 - alpha[b, t, h]) * w + s for w, s in zip(weights, momentum)]
+                    return weights, momentum
+
+                if cfg.max_update_norm:  # the scan is linear: old state's share + the chunk's sums, each clipped
+                    zeros = {t: [torch.zeros_like(w) for w in weights] for t in tokens}
+                    kept = scan(weights, momentum, zeros)
+                    added = scan(zeros[start], zeros[start], grads)
+                    weights, momentum = ([a + clip(g) for a, g in zip(*pair)] for pair in zip(kept, added))
+                else:
+                    weights, momentum = scan(weights, momentum, grads)
             else:
-                summed = [sum(theta[b, t, h] * grads[t][i] for t in tokens) for i in range(len(weights))]
+                summed = [clip(sum(theta[b, t, h] * grads[t][i] for t in tokens)) for i in range(len(weights))]
                 eta_c, alpha_c = eta[b, list(tokens), h].mean(), alpha[b, list(tokens), h].mean()
                 momentum = [eta_c * s - g for s, g in zip(momentum, summed)]
                 step = [newton_schulz_reference(s, cfg.newton_schulz_steps) if cfg.newton_schulz_steps else s for s in momentum]
@@ -134,17 +151,24 @@ CHUNK_CASES = [
 ]
 LAYER_CASES = [dict(conv_kernel=0), dict(conv_kernel=2, value_silu=False), dict(output_norm=False, output_gate=False),
                dict(qk_norm=False)]
+BOUND_AND_RECOMPUTE_CASES = [dict(max_update_norm=b, checkpoint_chunks=g, **rule)
+                             for b, g in ((0.3, 0), (0.0, 2), (0.3, 2))
+                             for rule in ({}, dict(gates="chunk", newton_schulz_steps=5))]
 READ_AFTER_WRITE_CASES = [dict(read_after_write=True, chunk_size=c, **rule)
                           for c in (1, 3) for rule in ({}, dict(gates="chunk", newton_schulz_steps=5))]
 
 
-@pytest.mark.parametrize("case", TOKEN_CASES + CHUNK_CASES + LAYER_CASES + READ_AFTER_WRITE_CASES,
+@pytest.mark.parametrize("case", TOKEN_CASES + CHUNK_CASES + LAYER_CASES + BOUND_AND_RECOMPUTE_CASES
+                         + READ_AFTER_WRITE_CASES,
                          ids=lambda c: "-".join(f"{k[:3]}{v if isinstance(v, str) else int(v)}" for k, v in c.items()))
 def test_chunked_path_equals_token_by_token_reference(case):
     memory = make_memory(**case)
     x = torch.randn(2, 18 if memory.cfg.read_after_write else 17, 12)  # read-after-write takes whole chunks
+    y = memory(x)[0]  # with grad: `checkpoint_chunks` recomputes only when autograd records
     with torch.no_grad():
-        torch.testing.assert_close(memory(x)[0], reference(memory, x), rtol=0, atol=1e-10)
+        torch.testing.assert_close(y, reference(memory, x), rtol=0, atol=1e-10)
+    if memory.cfg.max_update_norm:
+        assert 0 < memory.last_stats["clipped_share"] < 1  # the bound acts on some sums, not all
 
 
 def test_token_and_chunk_gates_agree_at_chunk_one_and_differ_beyond():
@@ -248,7 +272,7 @@ def test_explicit_gradient_equals_autograd():
 
     expected = [torch.autograd.grad(loss(w), weights) for w in (theta, other)]
     out, saved = mlp_forward(weights, k)
-    got = associative_grads(weights, saved, out, v, torch.stack([theta, other], -1))
+    got = associative_grads(weights, saved, out, v, 2 * torch.stack([theta, other], -1))  # 2: the squared error's
     for i in range(2):
         for layer in range(2):
             torch.testing.assert_close(got[layer][:, :, i], expected[i][layer])
@@ -324,7 +348,7 @@ def test_compiled_chunk_step_matches_eager(gates):
 
 def test_surprise_bound_clips_each_weighted_gradient_sum_to_its_norm():
     """`clip_surprise` against a loop over (batch row, head, weighting) with torch.linalg.norm."""
-    grads = [torch.randn(2, 3, 2, 4, 5) * 3, torch.randn(2, 3, 2, 5, 4) * 0.1]
+    grads = [torch.randn(2, 3, 2, 4, 5) * 3, torch.randn(2, 3, 2, 5, 4) * 0.1]  # (B, H, K, in, out)
     bound = 2.0
     clipped, count = clip_surprise(grads, bound)
     expected_count = 0
@@ -374,12 +398,12 @@ def test_the_surprise_bound_traces_into_one_graph_and_runs_on_meta(gates):
     memory runs forward + backward on the meta device with a meta share (no CPU constant)."""
     torch.manual_seed(0)
     rule = UpdateRule(gates=gates, backend="torch", max_update_norm=0.05)
-    weights = (torch.randn(2, 2, 4, 8), torch.randn(2, 2, 8, 4))
-    momentum = tuple(torch.randn_like(w) for w in weights)
+    state = (torch.randn(2, 2, 2, 4, 8), torch.randn(2, 2, 2, 8, 4))  # fast weights and momentum stacked
     q, k, v = (F.normalize(torch.randn(2, 2, 3, 4), dim=-1) for _ in range(3))
-    gates_c = (torch.rand(2, 2, 3), -torch.rand(2, 2, 3), -0.1 * torch.rand(2, 2, 3))
-    eager = chunk_step(weights, momentum, q, k, v, *gates_c, rule)
-    traced = torch.compile(chunk_step, fullgraph=True, backend="eager")(weights, momentum, q, k, v, *gates_c, rule)
+    gates_c = [g[:, :, 0] for g in chunk_gates(torch.rand(2, 2, 1, 3), -torch.rand(2, 2, 1, 3),
+                                                -0.1 * torch.rand(2, 2, 1, 3), gates)]
+    eager = chunk_step(state, q, k, v, *gates_c, rule)
+    traced = torch.compile(chunk_step, fullgraph=True, backend="eager")(state, q, k, v, *gates_c, rule)
     for a, b in zip(torch.utils._pytree.tree_leaves(eager), torch.utils._pytree.tree_leaves(traced)):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert eager[-1] > 0
@@ -390,3 +414,16 @@ def test_the_surprise_bound_traces_into_one_graph_and_runs_on_meta(gates):
         y.sum().backward()
     assert y.device.type == memory.last_stats["clipped_share"].device.type == "meta"
     assert all(p.grad.device.type == "meta" for p in memory.parameters())
+
+
+@pytest.mark.parametrize("gates", ["token", "chunk"])
+def test_the_fast_weight_state_stays_float32_under_bf16_autocast(gates):
+    """The state update's batched matmul (`token_scan_update`) runs with autocast off: under a
+    CPU bf16 autocast the fast weights and momentum stay float32 after forward and backward."""
+    torch.manual_seed(0)
+    memory = NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, gates=gates)).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, state = memory(torch.randn(2, 12, 16, dtype=torch.float32))
+        y.float().square().sum().backward()
+    assert {t.dtype for t in (*state.weights, *state.momentum)} == {torch.float32}
+    assert all(torch.isfinite(p.grad).all() for p in memory.parameters())

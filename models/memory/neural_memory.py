@@ -25,8 +25,11 @@ read the state left by chunk c-1 (M_{c-1}). Two write rules (`gates`):
             - sum_i theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j) u_i
 
   so the chunk costs two weighted sums of per-token gradients (one batched matmul per
-  weight matrix) and (C+1)^2 decay products from a log-space segment sum; decay and
-  momentum time scales do not depend on C. With C = 1 this is online gradient descent.
+  weight matrix) and one 2 x 2 mix of the stacked [M; S] (one more per matrix). The
+  weights of the sums and the mix depend on the gates alone: (C+1)^2 decay products from a
+  log-space segment sum, computed for all chunks at once before the sequential loop
+  (`chunk_gates`). Decay and momentum time scales do not depend on C. With C = 1 this is
+  online gradient descent.
 - "chunk" (TTT / LaCT style): one optimiser step per chunk, S = mean(eta) S - sum_t theta_t u_t,
   M = (1 - mean(alpha)) M + step_scale [NS](S), through `kernels.memory_update` (fused Triton on GPU).
   Newton-Schulz needs this rule: NS is not linear, so orthogonalising every token's
@@ -95,6 +98,7 @@ Choices where the papers are silent (tested):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import dataclasses
 from dataclasses import dataclass
@@ -207,6 +211,23 @@ def silu_grad(x: torch.Tensor) -> torch.Tensor:
     return s * (1 + x * (1 - s))
 
 
+class SiluBackward(torch.autograd.Function):
+    """grad * silu'(x) (the explicit backward through a SiLU) in one op (aten.silu_backward),
+    keeping only (grad, x) for its own backward, where silu'(x) = s (1 + x (1 - s)) and
+    silu''(x) = s (1 - s) (2 + x (1 - 2 s)), s = sigmoid(x)."""
+
+    @staticmethod
+    def forward(ctx, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad, x)
+        return torch.ops.aten.silu_backward(grad, x)
+
+    @staticmethod
+    def backward(ctx, out_grad: torch.Tensor):
+        grad, x = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return torch.ops.aten.silu_backward(out_grad, x), out_grad * grad * s * (1 - s) * (2 + x * (1 - 2 * s))
+
+
 def mlp_forward(weights, x: torch.Tensor, residual: bool = False):
     """M(x) for x (B, H, N, d) (x + MLP(x) with `residual`); also returns each layer's
     (input, pre-activation)."""
@@ -220,17 +241,18 @@ def mlp_forward(weights, x: torch.Tensor, residual: bool = False):
 
 def associative_grads(weights, saved, out: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor):
     """Weighted sums of per-token gradients of l = ||M(k_t) - v_t||^2 (explicit backward):
-    for each weight matrix, (B, H, K, in, out) = sum_t token_weights[..., t, j] grad_W l_t
-    for the K weightings j. `saved`, `out` from `mlp_forward(weights, k)`; v (B, H, N, d);
-    token_weights (B, H, N, K)."""
-    delta = 2 * (out - v)
-    per_token = token_weights.transpose(-1, -2)[..., None]  # (B, H, K, N, 1)
+    for each weight matrix, (B, H, K, in, out) = sum_t token_weights[..., t, j] / 2 grad_W l_t
+    for the K weightings j. The squared error's factor 2 is left to the token weights
+    (`chunk_gates` folds it in once for all chunks): the error back-propagated is M(k_t) - v_t.
+    `saved`, `out` from `mlp_forward(weights, k)`; v (B, H, N, d); token_weights (B, H, N, K).
+    The K weightings go into the matmul's rows (one 4-D matmul per weight matrix, no copy)."""
+    delta = out - v
     grads = [None] * len(weights)
     for i in reversed(range(len(weights))):
-        inp = saved[i][0]
-        grads[i] = inp.transpose(-1, -2).unsqueeze(2) @ (delta.unsqueeze(2) * per_token)
+        weighted = (saved[i][0][..., None, :] * token_weights[..., None]).flatten(-2)  # (B, H, N, K * in)
+        grads[i] = (weighted.transpose(-1, -2) @ delta).unflatten(-2, (token_weights.shape[-1], -1))
         if i > 0:
-            delta = (delta @ weights[i].transpose(-1, -2)) * silu_grad(saved[i - 1][1])
+            delta = SiluBackward.apply(delta @ weights[i].transpose(-1, -2), saved[i - 1][1])
     return grads
 
 
@@ -244,6 +266,32 @@ def decay_products(log_gate: torch.Tensor) -> torch.Tensor:
     strictly_lower = rows[:, None] > rows[None, :]
     sums = padded.masked_fill(~strictly_lower, 0).cumsum(-2)
     return sums.masked_fill(rows[:, None] < rows[None, :], float("-inf")).exp()
+
+
+def chunk_gates(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor, gates: str):
+    """Everything a chunk's write takes from the gates alone, for all N chunks at once
+    (batched over the chunk dimension, outside the sequential loop). theta, log_eta,
+    log_keep (B, H, N, C). Returns (token_weights (B, H, N, C, K), decays (B, H, N, 2, 2) or
+    (B, H, N, 2)).
+
+    gates="token" (the unrolled scan of the module docstring, thesis eq. 2.39-2.40 over a
+    chunk; E, R from `decay_products`): K = 2 weightings, each times -2 (the squared error's
+    2, `associative_grads`, and the minus of the surprise), so a chunk's write of the stacked
+    state [M; S] is one 2 x 2 mix plus the weighted sums G_M, G_S (`token_scan_update`):
+    M_C = R_0 M_0 + (sum_t R_t E_t) S_0 + G_M,  S_C = E_C S_0 + G_S, with
+    token_weights[..., i, :] = -2 theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j, prod_{i<j<=C} eta_j),
+    decays = [[prod_j (1 - alpha_j), sum_t R_t E_t], [0, prod_j eta_j]].
+    gates="chunk": K = 1, token_weights = 2 theta; decays = (mean eta, mean alpha)."""
+    if gates == "chunk":
+        return 2 * theta[..., None], torch.stack([log_eta.exp().mean(-1), 1 - log_keep.exp().mean(-1)], -1)
+    eta, keep = decay_products(torch.stack([log_eta, log_keep])).unbind(0)  # [t, i] = prod_{i<j<=t} eta_j
+    to_end = keep[..., -1, :]  # [t] = prod_{t<j<=C} (1 - alpha_j)
+    carried = (to_end[..., 1:] * eta[..., 1:, 0]).sum(-1)  # sum_t R_t E_t: the old momentum's share in M_C
+    momentum_weights = theta * eta[..., -1, 1:]
+    weight_weights = theta * (to_end[..., None, 1:] @ eta[..., 1:, 1:]).squeeze(-2)
+    token_weights = -2 * torch.stack([weight_weights, momentum_weights], -1)
+    mix = torch.stack([keep[..., -1, 0], carried, torch.zeros_like(carried), eta[..., -1, 0]], -1)
+    return token_weights, mix.unflatten(-1, (2, 2))
 
 
 def clip_surprise(grads, bound: float):
@@ -260,22 +308,24 @@ def clip_surprise(grads, bound: float):
     return clipped, count
 
 
-def token_scan_update(weights, momentum, saved, out, v_c, theta_c, log_eta_c, log_keep_c, bound: float = 0.0):
-    """Titans' per-token rule over one chunk (module docstring): gradients at the chunk-start
-    weights, eta and alpha applied per token, the two weighted gradient sums clipped to
-    `bound` (`clip_surprise`). Returns (new weights, new momentum, sums clipped)."""
-    eta, keep = decay_products(torch.stack([log_eta_c, log_keep_c])).unbind(0)  # [t, i] = prod_{i<j<=t} eta_j
-    to_end = keep[..., -1, :]  # [t] = prod_{t<j<=C} (1 - alpha_j)
-    carried = (to_end[..., 1:] * eta[..., 1:, 0]).sum(-1)  # sum_t R_t E_t: the old momentum's share in M_C
-    momentum_weights = theta_c * eta[..., -1, 1:]
-    weight_weights = theta_c * (to_end[..., None, 1:] @ eta[..., 1:, 1:]).squeeze(-2)
-    grads, clipped = clip_surprise(
-        associative_grads(weights, saved, out, v_c, torch.stack([momentum_weights, weight_weights], -1)), bound)
-    new_weights, new_momentum = [], []
-    for w, s, g in zip(weights, momentum, grads):
-        new_momentum.append(eta[..., -1, 0, None, None] * s - g[:, :, 0])
-        new_weights.append(keep[..., -1, 0, None, None] * w + carried[..., None, None] * s - g[:, :, 1])
-    return tuple(new_weights), tuple(new_momentum), clipped
+def token_scan_update(state, grads, mix):
+    """Titans' per-token rule over one chunk (module docstring, thesis eq. 2.39-2.40 unrolled):
+    state (B, H, 2, in, out) per weight matrix, the stacked [M_0; S_0]; grads (B, H, 2, in, out)
+    the chunk's weighted gradient sums [G_M; G_S] (surprise signs and factors in them,
+    `chunk_gates`); mix (B, H, 2, 2) = [[R_0, sum_t R_t E_t], [0, E_C]]. Returns the new
+    stacked state [M_C; S_C] = mix [M_0; S_0] + [G_M; G_S], one batched matmul per matrix
+    (one pass over the state forward, two backward). Autocast is off there: a lower-precision
+    autocast would run that matmul, hence the state, in bf16."""
+    with _full_precision(mix.device):
+        return tuple(torch.baddbmm(g.to(s.dtype).flatten(0, 1).flatten(-2), mix.flatten(0, 1),
+                                   s.flatten(0, 1).flatten(-2)).view_as(s) for s, g in zip(state, grads))
+
+
+def _full_precision(device: torch.device):
+    """Autocast off on `device` (a no-op where autocast does not exist, e.g. meta)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class UpdateRule(NamedTuple):
@@ -290,32 +340,34 @@ class UpdateRule(NamedTuple):
     max_update_norm: float = 0.0
 
 
-def chunk_step(weights, momentum, q_c, k_c, v_c, theta_c, log_eta_c, log_keep_c, rule: UpdateRule):
+def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule):
     """One chunk: its tokens read the state left by the previous chunk (or, with
     `rule.read_after_write`, the state after this chunk's write), and the chunk is written.
-    q_c, k_c, v_c (B, H, C, d); theta_c, log_eta_c, log_keep_c (B, H, C). Reading before
+    state: per weight matrix (B, H, 2, in, out), the fast weights and their momentum stacked
+    ([:, :, 0] and [:, :, 1]); q_c, k_c, v_c (B, H, C, d); token_weights_c (B, H, C, K),
+    decays_c (B, H, 2, 2) or (B, H, 2): the chunk's slice of `chunk_gates`. Reading before
     the write, queries and keys go through M together (one matmul per layer). Returns
-    (y_c, new weights, new momentum, surprise sums clipped (0-dim; None without a bound))."""
+    (y_c, new state, surprise sums clipped (0-dim; None without a bound))."""
     size = q_c.shape[2]
+    weights = [s[:, :, 0] for s in state]
     if rule.read_after_write:
         out_k, saved = mlp_forward(weights, k_c, rule.residual)
     else:
         both, saved_both = mlp_forward(weights, torch.cat([q_c, k_c], 2), rule.residual)
-        saved = [(inp[:, :, size:], pre[:, :, size:]) for inp, pre in saved_both]
-        y_c, out_k = both[:, :, :size], both[:, :, size:]
+        saved = [(k_c if i == 0 else inp[:, :, size:], pre[:, :, size:]) for i, (inp, pre) in enumerate(saved_both)]
+        y_c, out_k = both.unflatten(2, (2, size)).unbind(2)
+    grads, clipped = clip_surprise(associative_grads(weights, saved, out_k, v_c, token_weights_c),
+                                   rule.max_update_norm)
     if rule.gates == "token":
-        weights, momentum, clipped = token_scan_update(weights, momentum, saved, out_k, v_c, theta_c, log_eta_c,
-                                                       log_keep_c, rule.max_update_norm)
+        state = token_scan_update(state, grads, decays_c)
     else:
-        grads, clipped = clip_surprise(associative_grads(weights, saved, out_k, v_c, theta_c[..., None]),
-                                       rule.max_update_norm)
-        eta, alpha = log_eta_c.exp().mean(-1), 1 - log_keep_c.exp().mean(-1)
-        updated = [kernel_memory_update(w, s, g[:, :, 0], eta, alpha, rule.ns_steps, rule.backend, rule.step_scale)
-                   for w, s, g in zip(weights, momentum, grads)]
-        weights, momentum = tuple(w for w, _ in updated), tuple(s for _, s in updated)
+        eta, alpha = decays_c.unbind(-1)
+        state = tuple(torch.stack(kernel_memory_update(s[:, :, 0], s[:, :, 1], g[:, :, 0], eta, alpha, rule.ns_steps,
+                                                       rule.backend, rule.step_scale), 2)
+                      for s, g in zip(state, grads))
     if rule.read_after_write:
-        y_c = mlp_forward(weights, q_c, rule.residual)[0]
-    return y_c, weights, momentum, clipped
+        y_c = mlp_forward([s[:, :, 0] for s in state], q_c, rule.residual)[0]
+    return y_c, state, clipped
 
 
 @functools.cache
@@ -323,9 +375,9 @@ def compiled_chunk_step():
     """`chunk_step` through `kernels.bounded_compile` (fused elementwise work): static
     shapes, fullgraph, up to `kernels.COMPILED_GRAPH_LIMIT` (64) graphs per process, then
     new shapes run eagerly after one warning. Each new (batch, heads, chunk, head_dim,
-    depth, expansion, dtype, write rule) compiles two graphs: the first chunk's (its
-    momentum does not require grad, its weights are the expanded initial ones) and the
-    later chunks'. torch's shared limit of 8 made the fifth shape fail hard (issue 29).
+    depth, expansion, dtype, write rule) compiles one graph, two where the first chunk's
+    state does not require grad and the later chunks' does (fixed initial weights,
+    `learned_init=False`). torch's shared limit of 8 made the fifth shape fail hard (issue 29).
 
     Chosen over a dynamic batch dimension: shapes also change by heads, chunk, widths,
     depth and dtype, which a dynamic batch does not cover, so a bound with an eager fallback
@@ -341,17 +393,22 @@ def compiled_chunk_step():
     return bounded_compile(chunk_step)
 
 
-def run_chunks(step, weights, momentum, chunks, rule: UpdateRule):
-    """Apply `step` to each chunk's (q, k, v, theta, log_eta, log_keep) in order.
-    Returns (the chunks' reads, final weights, final momentum, surprise sums clipped: 0
-    without a bound, no tensor op added)."""
+def run_chunks(step, state, q, k, v, theta, log_eta, log_keep, rule: UpdateRule):
+    """Apply `step` to G chunks in order, from the stacked state of `chunk_step`: q, k, v
+    (B, H, G, C, d), theta, log_eta, log_keep (B, H, G, C). Their gates' share of each write
+    (`chunk_gates`) is computed first for all G chunks at once (inside a `checkpoint_chunks`
+    group, so recomputed with it rather than kept). Per-chunk views come from unbind: slicing
+    chunk by chunk would make autograd scatter every chunk's gradient into a zero tensor of
+    all the chunks' size (quadratic in T). Returns (the chunks' reads, final stacked state,
+    surprise sums clipped: 0 without a bound, no tensor op added)."""
     outputs, clipped = [], 0
-    for chunk_inputs in chunks:
-        y_c, weights, momentum, clipped_c = step(weights, momentum, *chunk_inputs, rule)
+    per_chunk = (q, k, v, *chunk_gates(theta, log_eta, log_keep, rule.gates))
+    for chunk_inputs in zip(*(t.unbind(2) for t in per_chunk)):
+        y_c, state, clipped_c = step(state, *chunk_inputs, rule)
         outputs.append(y_c)
         if clipped_c is not None:
             clipped = clipped + clipped_c.detach()
-    return outputs, weights, momentum, clipped
+    return outputs, state, clipped
 
 
 def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk: int,
@@ -367,25 +424,26 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     if rule.read_after_write and full < total:
         raise ValueError(f"a read-after-write memory takes whole chunks: {total} tokens is not a multiple of "
                          f"chunk_size {chunk}")
-    # Split once into per-chunk views (unbind): slicing chunk by chunk would make autograd
-    # scatter every chunk's gradient into a full-length zero tensor (quadratic in T).
-    per_chunk = [t[:, :, :full].unflatten(2, (-1, chunk)).unbind(2) for t in (q, k, v, theta, log_eta, log_keep)]
-    chunks = list(zip(*per_chunk))
-    weights, momentum = state.weights, state.momentum
+    chunks = full // chunk
+    stacked = tuple(torch.stack(pair, 2) for pair in zip(state.weights, state.momentum))  # (B, H, 2, in, out)
     step = compiled_chunk_step() if compiled else chunk_step
-    group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else len(chunks)
+    group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else max(chunks, 1)
+    # groups of G chunks as views (split: one concatenation of their gradients in backward)
+    groups = zip(*(t[:, :, :full].unflatten(2, (-1, chunk)).split(group, 2)
+                   for t in (q, k, v, theta, log_eta, log_keep)))
     outputs, clipped = [], 0
-    for start in range(0, len(chunks), max(group, 1)):
-        args = (step, weights, momentum, chunks[start : start + group], rule)
-        ys, weights, momentum, clipped_group = checkpoint(run_chunks, *args, use_reentrant=False) \
-            if group < len(chunks) else run_chunks(*args)
+    for inputs in groups:
+        args = (step, stacked, *inputs, rule)
+        ys, stacked, clipped_group = checkpoint(run_chunks, *args, use_reentrant=False) \
+            if group < chunks else run_chunks(*args)
         outputs += ys
         clipped = clipped + clipped_group
+    weights, momentum = tuple(s[:, :, 0] for s in stacked), tuple(s[:, :, 1] for s in stacked)
     if full < total:
         outputs.append(mlp_forward(weights, q[:, :, full:], rule.residual)[0])
     y = torch.cat(outputs, 2)[:, :, pending:]
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
-    sums = len(chunks) * sum(w.shape[0] * w.shape[1] for w in weights) * (2 if rule.gates == "token" else 1)
+    sums = chunks * sum(w.shape[0] * w.shape[1] for w in weights) * (2 if rule.gates == "token" else 1)
     share = clipped / max(sums, 1) if rule.max_update_norm else None
     return y, state._replace(weights=weights, momentum=momentum, pending=new_pending), share
 
