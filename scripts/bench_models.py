@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from torchtitan_ext import flops
 from torchtitan_ext.families import MODULES
+from torchtitan_ext.training.cpu import measured_matmul_flops
 
 # Each family's paper-sized flavor and its CPU debug flavor ("<family>[_<variant>]": flavor).
 PAPER = {"transformer": "400m", "mlp_lm": "600m", "titans_mac": "400m", "mela": "400m",
@@ -125,20 +126,6 @@ def loss_of(model, batch: dict) -> torch.Tensor:
     return loss
 
 
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 3) -> float:
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
 def device_peak(device: torch.device, bf16: bool) -> tuple[float, str]:
     """(peak FLOP/s, where it comes from)."""
     if device.type == "cuda":
@@ -146,9 +133,9 @@ def device_peak(device: torch.device, bf16: bool) -> tuple[float, str]:
         for fragment, peak in PEAK_BF16:
             if fragment in name and bf16:
                 return peak, f"{name}: dense bf16 {peak / 1e12:.0f} TFLOP/s (table)"
-        peak = measured_matmul_flops(device, torch.bfloat16 if bf16 else torch.float32, 8192)
+        peak = measured_matmul_flops(8192, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
         return peak, f"{name}: measured {'bf16' if bf16 else 'fp32'} 8192^3 matmul {peak / 1e12:.0f} TFLOP/s"
-    peak = measured_matmul_flops(device, torch.float32, 512)
+    peak = measured_matmul_flops(512, device=device)
     return peak, f"CPU: measured fp32 512^3 matmul {peak / 1e9:.1f} GFLOP/s"
 
 

@@ -85,10 +85,10 @@ class CpuDeviceModule:
 
 
 @functools.cache
-def measured_matmul_flops(n: int = 2048, repeats: int = 3, device: str = "cpu") -> float:
-    """fp32 FLOP/s of an n x n matmul on `device` (best of `repeats`)."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+def measured_matmul_flops(n: int = 2048, repeats: int = 3, device: str = "cpu", dtype=torch.float32) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on `device` (best of `repeats`; torch only, no torchtitan)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     a @ b  # warm-up
     sync()
