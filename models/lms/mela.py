@@ -49,10 +49,12 @@ Choices where the paper is silent (each tested in tests/test_mela.py):
   cycles' writes enter the gradient as constant increments (`straight_through`), so the
   initial weights and earlier chunks' writes still learn; per_block needs read-after-write
   (else the last step's write would reach the loss only through no-grad cycles). per_block
-  is the default: in scripts/replicate_mela_length.py (3 seeds, 44 held-out documents) its
-  perplexity is 0.85x per_step's (95% interval 0.84-0.87) at 1x-8x the training context
-  (docs/benchmarks.md). Either way the carried state is constant in the context length and segment-by-segment equals one
-  pass exactly.
+  is the default because it is what section 5.3 describes. Measured at debug scale
+  (scripts/replicate_mela_length.py, 3 seeds, 50 held-out documents, docs/benchmarks.md):
+  at eq. 10's unit step per_block scored 0.85x per_step's perplexity; at the default 0.1
+  step it scores 1.08x (95% interval, seeds then documents, 1.01-1.13 at 1x-8x the training
+  context), so at that scale per_step is better. Either way the carried state is constant
+  in the context length and segment-by-segment equals one pass exactly.
 - The step after Newton-Schulz (`memory_step_scale`, default 0.1). Eq. 10 as printed adds
   NS(S) with no step size; section 3.1 "leverages the Muon optimizer", whose step has a
   learning rate. A unit step makes the per-block memory chaotic (float32 and float64
