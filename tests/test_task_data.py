@@ -172,3 +172,12 @@ def test_the_question_reads_the_context_only_through_the_memory(tokenizer):
             checked += 1
             break
     assert checked
+
+
+def test_a_length_too_short_for_a_task_is_refused_when_the_rows_are_built(tokenizer):
+    with pytest.raises(UserError, match="task sample length 64 cannot hold a s_niah sample"):
+        TaskDataset(["s_niah"], tokenizer, 160, seed=0, validation=False, infinite=True, samples=8,
+                    dp_rank=0, dp_world_size=1, lengths=(64, 160))
+    rows = TaskDataset(["s_niah"], tokenizer, 160, seed=0, validation=False, infinite=True, samples=8,
+                       dp_rank=0, dp_world_size=1, lengths=(96, 160))
+    assert all(rows.sample(i)[0]["input"].shape == (160,) for i in range(4))

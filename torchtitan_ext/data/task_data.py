@@ -128,6 +128,21 @@ class TaskDataset(IterableDataset, Stateful):
         self.infinite, self.samples = infinite, samples
         self.rank, self.world = dp_rank, dp_world_size
         self.next_index = dp_rank
+        self._check_every_length_holds_a_sample()
+
+    def _check_every_length_holds_a_sample(self) -> None:
+        """Encode one sample of every (task, length, pairs) the rows draw from, so a length
+        too short for a task stops the run when its dataloader is built (one line), not at
+        the step that first draws it."""
+        for task in self.tasks:
+            for length in self.lengths or (self.seq_len,):
+                for pairs in self.pairs or (0,):
+                    try:
+                        encode_sample(task, random.Random(f"{self.split}-check"), self.tokenizer, length + 1,
+                                      self.split_context, pairs, self.haystack)
+                    except UserError as e:
+                        raise UserError(f"task sample length {length} cannot hold a {task} sample ({e}): "
+                                        "drop it from --dataloader.lengths or raise it") from None
 
     def sample(self, index: int):
         task = self.tasks[index % len(self.tasks)]
