@@ -166,7 +166,8 @@ def test_the_mixed_dataloader_skips_and_counts_bad_text_rows_with_the_flag(bad_f
     """Without the flag reading the first row fails (preflight refuses the file first)."""
     from torchtitan_ext.data.mixed_data import MixedDataLoader
 
-    config = MixedDataLoader.Config(dataset="local", dataset_path=str(bad_first), skip_bad_rows=True, task_fraction=0.0)
-    mixed = MixedDataLoader(config, dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=16, local_batch_size=2)
-    next(iter(mixed))  # two rows of 16 tokens: past the first bad row, not the second
+    config = MixedDataLoader.Config(dataset="local", dataset_path=str(bad_first), skip_bad_rows=True, task_fraction=0.0,
+                                    tasks="kv_retrieval")  # task rows are built (and checked), never drawn
+    mixed = MixedDataLoader(config, dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=64, local_batch_size=1)
+    next(iter(mixed))  # one row of 64 tokens: past the first bad row, not the second (10 documents on)
     assert mixed.dataset.skipped_rows == 1

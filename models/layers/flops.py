@@ -43,7 +43,8 @@ def neural_memory(cfg) -> float:
     """Forward FLOPs per written token: projections, conv, memory reads of q and k, the
     explicit gradient (back through all but the first matrix, then K weighted outer-product
     sums: K = 2 for the per-token rule, 1 per chunk), Newton-Schulz per chunk, the output
-    projection (when on)."""
+    projection (when on); the per-token rule's state mix per chunk ([M; S] <- 2 x 2 mix of
+    [M; S] as one batched matmul, 8 FLOPs per weight: `token_scan_update`)."""
     inner = cfg.n_heads * cfg.head_dim
     shapes = cfg.layer_shapes()
     flops = linear(cfg.dim, 3 * inner) + linear(cfg.dim, 3 * cfg.n_heads)
@@ -53,6 +54,8 @@ def neural_memory(cfg) -> float:
     weightings = 2 if cfg.gates == "token" else 1
     backprop = cfg.n_heads * sum(linear(i, o) for i, o in shapes[1:])
     flops += 2 * memory_mlp(cfg) + backprop + weightings * memory_mlp(cfg)
+    if cfg.gates == "token":
+        flops += cfg.n_heads * sum(8 * i * o for i, o in shapes) / cfg.chunk_size
     if cfg.newton_schulz_steps:
         flops += cfg.n_heads * sum(newton_schulz(i, o, cfg.newton_schulz_steps) for i, o in shapes) / cfg.chunk_size
     return flops
