@@ -181,3 +181,29 @@ def test_a_length_too_short_for_a_task_is_refused_when_the_rows_are_built(tokeni
     rows = TaskDataset(["s_niah"], tokenizer, 160, seed=0, validation=False, infinite=True, samples=8,
                        dp_rank=0, dp_world_size=1, lengths=(96, 160))
     assert all(rows.sample(i)[0]["input"].shape == (160,) for i in range(4))
+
+
+@pytest.mark.parametrize("question", ["new_segment", "continue"])
+def test_row_labels_are_every_next_token_of_the_sample_and_the_answer_labels_a_part_of_them(tokenizer, question):
+    """labels="row" (the in-house backbone's pretraining): the next token of every position of
+    the sample up to EOS, except across a "new_segment" row's two documents; padding
+    ignored; the answer labels of labels="answer" are the same ids at the same places."""
+    answer_rows = dataset(tokenizer, tasks=["s_niah", "kv_retrieval"], question=question)
+    row_rows = dataset(tokenizer, tasks=["s_niah", "kv_retrieval"], question=question, labels="row")
+    for _, (inputs, answer), (same_inputs, row) in zip(range(4), answer_rows, row_rows):
+        assert torch.equal(inputs["input"], same_inputs["input"])
+        kept = row != IGNORE_INDEX
+        end = int(kept.nonzero()[-1]) + 1  # the position that predicts EOS, plus one
+        assert row[end - 1] == tokenizer.eos_id and not kept[end:].any()
+        query = question_start(inputs["positions"])
+        expected = inputs["input"][1:end].clone()
+        if query:
+            expected[query - 1] = IGNORE_INDEX
+        assert torch.equal(row[:end - 1], expected)
+        on_answer = answer != IGNORE_INDEX
+        assert on_answer.sum() < kept.sum() // 4 and torch.equal(row[on_answer], answer[on_answer])
+
+
+def test_unknown_task_labels_name_the_choices(tokenizer):
+    with pytest.raises(UserError, match=r"unknown task labels 'all'.*'answer', 'row'"):
+        dataset(tokenizer, labels="all")

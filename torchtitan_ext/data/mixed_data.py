@@ -4,7 +4,8 @@ Each sequence of `seq_len` tokens is, by a draw from `random.Random(f"{seed}-{i}
 sequence i, either the next packed window of the text dataset (`TextDataLoader`'s: its
 documents, BOS/EOS, positions restarting per document, the loss on every token) or the next
 row of `TaskDataset` (torchtitan_ext/data/task_data.py: one sample of the tasks, its length
-drawn from `lengths`, the loss on the answer and EOS only), the latter with probability
+drawn from `lengths`, the loss on the answer and EOS only, or on the whole row with
+`task_labels="row"`), the latter with probability
 `task_fraction`. Both kinds are ({"input": (L,), "positions": (L,)}, labels (L,)) with
 L = seq_len, so a batch mixes them freely. The task rows read the question right after the
 context ("continue": the backbone has no memory, its attention must see the context).
@@ -70,6 +71,7 @@ class MixedDataLoader(ParallelAwareDataloader):
         lengths: str = ""  # comma-separated task sample lengths (tokens, at most seq_len); "": seq_len
         haystack: str = ""  # needle tasks' haystack ("text", "noise"; "": the paper's per task)
         task_fraction: float = 0.5  # share of sequences that are task rows
+        task_labels: str = "answer"  # the task rows' loss: on the "answer" or the whole "row" (task_data.py)
         seed: int = 0
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
@@ -82,7 +84,7 @@ class MixedDataLoader(ParallelAwareDataloader):
         lengths = tuple(int(n) for n in config.lengths.split(",") if n)
         tasks = TaskDataset(config.tasks.split(","), tokenizer, seq_len, config.seed, validation=False, infinite=True,
                             samples=0, dp_rank=dp_rank, dp_world_size=dp_world_size, lengths=lengths,
-                            question="continue", haystack=config.haystack or None)
+                            question="continue", haystack=config.haystack or None, labels=config.task_labels)
         super().__init__(
             MixedDataset(text, tasks, config.task_fraction, config.seed), dp_rank=dp_rank,
             dp_world_size=dp_world_size, batch_size=local_batch_size, num_workers=config.num_workers,

@@ -5,8 +5,12 @@ Each sequence is one sample: BOS, context and query (as long as fits, found the 
 eval_tasks.py finds it), the answer text, EOS, then padding to `seq_len + 1` tokens. A
 sample fills the sequence, or with `lengths` (e.g. MoNe's 2 to 8 segments of 512 tokens,
 "1024,1536,...,4096") takes a length drawn per sample from that list. Labels
-are the next tokens on the answer and EOS only (IGNORE_INDEX elsewhere), so the loss is the
-answer's (MoNe's "loss on answer tokens only"). The answer is what eval_tasks.py scores:
+(`labels`, `LABELS`) are the next tokens on the answer and EOS only (IGNORE_INDEX elsewhere),
+so the loss is the answer's (MoNe's "loss on answer tokens only"), or with labels="row" the
+next tokens of the whole sample (context, question, answer, EOS; padding ignored): the
+in-house backbone's pretraining (train_configs/backbone.py), where copying the needle's
+key and the filler's repeats gives its attention the induction signal that a few answer
+tokens per row did not (measured there). The answer is what eval_tasks.py scores:
 kv_retrieval the value, niah " " + the value, fwe " " + the three words.
 
 `question` (`QUESTIONS`) places the question:
@@ -47,6 +51,7 @@ from torchtitan_ext.errors import UserError
 from torchtitan_ext.data.synthetic_tasks import check_haystack, fit_sample, kv_pairs, TASKS
 
 QUESTIONS = ("new_segment", "continue")
+LABELS = ("answer", "row")
 ANSWER_PREFIX = {"kv_retrieval": "", "s_niah": " ", "mk_niah": " ", "fwe": " "}
 MAX_ANSWER_TOKENS = 24  # room kept for the answer and EOS when fitting the context
 
@@ -106,7 +111,7 @@ class TaskDataset(IterableDataset, Stateful):
     def __init__(self, tasks: list[str], tokenizer, seq_len: int, seed: int, validation: bool, infinite: bool,
                  samples: int, dp_rank: int, dp_world_size: int, lengths: tuple[int, ...] = (),
                  split_context: bool = False, pairs: tuple[int, ...] = (), question: str = "new_segment",
-                 haystack: str | None = None):
+                 haystack: str | None = None, labels: str = "answer"):
         unknown = [t for t in tasks if t not in TASKS]
         if unknown or not tasks:
             raise UserError(f"unknown task(s) {unknown}: choose from {list(TASKS)} (comma-separated)")
@@ -117,7 +122,10 @@ class TaskDataset(IterableDataset, Stateful):
         if split_context and question == "continue":
             raise UserError("split_context rows start the question as a new document: drop split_context or pass "
                             "question new_segment")
+        if labels not in LABELS:
+            raise UserError(f"unknown task labels '{labels}': choose from {list(LABELS)}")
         check_haystack(haystack)
+        self.labels_on_row = labels == "row"
         self.split_context, self.pairs, self.haystack = split_context or question == "new_segment", pairs, haystack
         if any(not MAX_ANSWER_TOKENS < n <= seq_len for n in lengths):
             raise UserError(f"task sample lengths {list(lengths)} must lie in {MAX_ANSWER_TOKENS + 1}..{seq_len} "
@@ -155,7 +163,10 @@ class TaskDataset(IterableDataset, Stateful):
         pad = self.seq_len + 1 - len(ids)
         tokens = torch.tensor(ids + [self.tokenizer.eos_id] * pad)
         labels = tokens[1:].clone()
-        labels[: start - 1] = IGNORE_INDEX
+        if not self.labels_on_row:
+            labels[: start - 1] = IGNORE_INDEX
+        elif query:  # the context's last token does not predict the question, another document
+            labels[query - 1] = IGNORE_INDEX
         labels[len(ids) - 1:] = IGNORE_INDEX
         positions = torch.cat([torch.arange(query), torch.arange(self.seq_len - query)])
         return {"input": tokens[:-1], "positions": positions}, labels
@@ -187,6 +198,7 @@ class TaskDataLoader(ParallelAwareDataloader):
         pairs: str = ""  # comma-separated kv_retrieval pair counts, one drawn per sample; "": fill the row
         question: str = "new_segment"  # "new_segment": rows [context | question] of two documents; "continue": one
         haystack: str = ""  # needle tasks: "text" (held-out prose) or "noise" (filler sentences); "": the paper's
+        labels: str = "answer"  # the loss on "answer" (and EOS) or on the whole "row" (module docstring)
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
@@ -194,7 +206,7 @@ class TaskDataLoader(ParallelAwareDataloader):
         pairs = tuple(int(n) for n in config.pairs.split(",") if n)
         dataset = TaskDataset(config.tasks.split(","), tokenizer, seq_len, config.seed, config.validation,
                               config.infinite, config.samples, dp_rank, dp_world_size, lengths,
-                              config.split_context, pairs, config.question, config.haystack or None)
+                              config.split_context, pairs, config.question, config.haystack or None, config.labels)
         super().__init__(
             dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
             num_workers=config.num_workers, persistent_workers=config.persistent_workers,
