@@ -1,6 +1,7 @@
 """scripts/leaderboard.py: the ci suite end to end on one row of each kind (from scratch,
-window-only control, backbone, graft, test-time method; the whole ci suite takes about 9
-minutes, docs/leaderboard.md), its rerun skipping every cell, the ci suite's rows covering
+window-only control, backbone, graft, test-time method) and both GradMem rows (the whole ci
+suite takes about 9 minutes, docs/leaderboard.md), its rerun skipping every cell, GradMem's
+recall prompts and perplexity segments (write_read), its twins' equal trainable parameters, the ci suite's rows covering
 every family and graft of the comparison, bad input, the paper suite's dry run at 8, 32 and 128 ranks, the cpu
 suite's equal non-embedding parameters, and the verdict rule on synthetic intervals."""
 
@@ -8,21 +9,26 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
+from torchtitan_ext.eval import leaderboard_cells
 from torchtitan_ext.eval.leaderboard import combine, verdict
 from torchtitan_ext.eval.leaderboard_launch import non_embedding_params
-from torchtitan_ext.eval.leaderboard_suites import HYPOTHESES, SUITES
+from torchtitan_ext.eval.leaderboard_suites import BABILONG_TASKS, HYPOTHESES, SUITES
 
 
 TEST_TIME = [row.name for row in SUITES["ci"].rows if row.kind == "test_time"]
 # one row of each kind: from scratch (a streaming memory, the window-only control), the backbone,
-# a graft, a test-time method
-TEST_ROWS = ["transformer_window", "mela", "backbone_frozen", "memoryllama_alma", "locas_glu"]
+# a graft, a test-time method; and GradMem's two WRITEs (write_read), hypothesis 4's rows
+TEST_ROWS = ["transformer_window", "mela", "backbone_frozen", "memoryllama_alma", "locas_glu", "gradmem",
+             "gradmem_forward"]
+GRADMEM_CLAIM = "The GradMem gradient WRITE beats the forward WRITE"
 
 
 def leaderboard(*args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
@@ -56,6 +62,12 @@ def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
     trained = [n for n, r in results["rows"].items() if "train_tokens_per_s" in r["cost"]["mean"]]
     assert len(trained) == sum(r.kind in ("scratch", "graft") for r in SUITES["ci"].rows if r.name in TEST_ROWS)
     assert [h["claim"] for h in results["hypotheses"]] == [h.claim for h in HYPOTHESES]
+    assert results["rows"]["gradmem"]["mode"] == results["rows"]["gradmem_forward"]["mode"] == "write_read"
+    for name in ("gradmem", "gradmem_forward"):  # every length of perplexity and of recall
+        assert len(results["rows"][name]["ppl_by_length"]) == 4 and results["rows"][name]["recall_beyond_window"], name
+        assert results["rows"][name]["cost"]["mean"]["state_bytes"] == 8 * 128 * 4, name  # m x dim float32
+    (gradmem,) = [h for h in results["hypotheses"] if h["claim"] == GRADMEM_CLAIM]
+    assert gradmem["verdict"] != "not run" and all(c["verdict"] != "not run" for c in gradmem["comparisons"])
     markdown = (out / "leaderboard.md").read_text()
     assert all(f"| {name} |" in markdown for name in results["rows"]) and "not run" in markdown
     assert (out / "ppl_vs_length.png").stat().st_size and (out / "recall_vs_length.png").stat().st_size
@@ -74,8 +86,82 @@ def test_the_ci_suite_has_every_family_and_graft_of_the_comparison():
     assert {row.name for row in SUITES["ci"].rows} == {
         "transformer_full", "transformer_window", "titans_mac", "titans_mag", "titans_mal", "titans_lmm", "mela",
         "mela_memory_off", "mlp_lm", "backbone_frozen", "lora_only", "memoryllama_alma", "memoryllama_gema", "mone",
-        "locas_glu", "templora"}
+        "gradmem", "gradmem_forward", "locas_glu", "templora"}
     assert {row.name for row in SUITES["cpu"].rows} == {row.name for row in SUITES["ci"].rows}
+
+
+def test_the_gradmem_twins_differ_in_the_write_and_train_as_many_parameters_within_1_percent():
+    from torchtitan_ext.training import cli
+
+    rows = {row.name: row for row in SUITES["ci"].rows}
+    built = {}
+    for name in ("gradmem", "gradmem_forward"):
+        module, _, function = rows[name].config.partition(":")
+        spec = cli.parse(["--module", module, "--config", function]).model_spec
+        with torch.device("meta"):
+            built[name] = spec.model.build()
+    writes = {name: model.gradmem.cfg.write for name, model in built.items()}
+    assert writes == {"gradmem": "gradient", "gradmem_forward": "forward"}
+    assert {m.gradmem.cfg.write_steps for m in built.values()} == {2} and {m.cfg.dim for m in built.values()} == {128}
+    trained = {name: sum(p.numel() for p in m.parameters() if p.requires_grad) for name, m in built.items()}
+    assert abs(trained["gradmem"] - trained["gradmem_forward"]) <= 0.01 * trained["gradmem"], trained
+
+
+class _FakeEntry:
+    mode, window = "write_read", 64
+
+
+@pytest.mark.parametrize("task", ["kv_retrieval", "s_niah", "qa1"])
+def test_a_gradmem_rows_recall_question_starts_at_restarted_positions_after_its_context(monkeypatch, tokenizer_dir,
+                                                                                          task):
+    """The prompt a write_read row answers is BOS + context, then the question, which `answer`
+    is told starts a new segment at the context's length (positions restart there); a streaming
+    row's is the drawn prompt with the question continuing it (query 0)."""
+    from torchtitan_ext.data.synthetic_tasks import fit_sample
+    from torchtitan_ext.eval import babilong, tasks
+
+    tokenizer, chosen = leaderboard_cells.tokenizer_of(str(tokenizer_dir)), SUITES["ci"]
+    calls = []
+    monkeypatch.setattr(tasks, "answer", lambda entry, ids, new, query=0: calls.append((entry.mode, ids, query)) or [])
+    leaderboard_cells.task_scores(_FakeEntry(), tokenizer, chosen, task, 256)
+    streaming = type("Streaming", (), {"mode": "streaming", "window": 64})()
+    leaderboard_cells.task_scores(streaming, tokenizer, chosen, task, 256)
+    if task in BABILONG_TASKS:
+        ((drawn, sample),) = babilong.items([task], ["256"], 1, 0, tokenizer)[task, "256"]
+    else:
+        drawn, sample = fit_sample(task, random.Random(f"{task}-256"), tokenizer, 256)
+    context = tokenizer.encode(sample.context, add_bos=True, add_eos=False)
+    question = tokenizer.encode(sample.query, add_bos=False, add_eos=False)
+    assert calls == [("write_read", context + question, len(context)), ("streaming", drawn, 0)]
+
+
+def test_gradmem_perplexity_reads_each_segment_after_the_memory_of_every_token_before_it():
+    """write_read perplexity: segment 0 after M_0, segment k after the memory written from the
+    tokens before it (not the previous segment alone), each read from position 0."""
+    from models.grafts.gradmem import GradMemLM
+    from torchtitan_ext.eval.long_ppl import Entry
+    from torchtitan_ext.families.gradmem import model_config
+
+    torch.manual_seed(0)
+    model = GradMemLM(model_config("kv_debug")).eval()
+    entry, w = Entry("gradmem", model, "write_read", 8, 0, 1024), 8
+    tokens = torch.randint(0, 70, (1, 3 * w))
+    logits = leaderboard_cells.write_read_logits(entry, tokens)
+    with torch.no_grad():
+        first = model.read(model.gradmem.initial(1), tokens[:, :w])
+        second = model.read(model.write(tokens[:, :w], torch.tensor([w]))[0], tokens[:, w:2 * w])
+    assert logits.shape == (1, 3 * w, 70)
+    torch.testing.assert_close(logits[:, :w], first)
+    torch.testing.assert_close(logits[:, w:2 * w], second)
+    changed = tokens.clone()
+    changed[0, 1] = (changed[0, 1] + 1) % 70  # inside segment 0: reaches segment 2 through its memory
+    other = leaderboard_cells.write_read_logits(entry, changed)
+    assert (other[:, 2 * w:] - logits[:, 2 * w:]).abs().max() > 1e-6
+    changed = tokens.clone()
+    changed[0, 2 * w] = (changed[0, 2 * w] + 1) % 70  # inside segment 2: no earlier logit moves
+    torch.testing.assert_close(leaderboard_cells.write_read_logits(entry, changed)[:, :2 * w], logits[:, :2 * w])
+    nll = leaderboard_cells.document_nll(entry, tokens)
+    assert nll.shape == (1, 3 * w - 1) and torch.isfinite(nll).all()
 
 
 @pytest.mark.parametrize("args,message", [

@@ -153,17 +153,46 @@ def gradmem_kv_forward_debug() -> Trainer.Config:
 # Grafted on a pretrained backbone (appendix B's setting): the backbone frozen, LoRA on every
 # block, the memory, its init and the write head trained, on the synthetic tasks with the
 # context removed at read time. The tasks' queries follow their own BOS-less encoding.
+# gradmem_qwen3_debug_tasks and its forward-WRITE twin gradmem_qwen3_debug_forward_tasks start
+# from the in-house backbone's folder as the leaderboard's "gradmem" / "gradmem_forward" rows
+# (torchtitan_ext/eval/leaderboard_suites.py).
 GRAFT_TASKS = "kv_retrieval"
+
+
+def _qwen3_debug_tasks(name: str, rank: int, gradmem: dict) -> Trainer.Config:
+    """GradMem on the debug Qwen3 (the in-house backbone's shape, frozen) + LoRA of `rank`
+    (alpha = 2 x rank) on every block, KV-retrieval of 4 and 8 pairs, rows of 128 tokens."""
+    graft = GraftConfig(kind="lora", layers="all", lora=LoRAConfig(rank=rank, alpha=2.0 * rank, dropout=0.0))
+    spec = model_spec("qwen3_debug", graft=graft, gradmem=gradmem)
+    config = debug_recipe(spec, name=name, lr=3e-3)
+    return _task_data(config, name=name, tasks=GRAFT_TASKS, pairs="4,8", seq_len=128)
 
 
 def gradmem_qwen3_debug_tasks() -> Trainer.Config:
     """GradMem (m = 8, K = 2, alpha 0.4: the paper's NLP default) on the debug Qwen3 + LoRA r8,
     KV-retrieval of 4 and 8 pairs (sentencepiece tokens); start it from a Hugging Face folder
-    with --checkpoint.initial_load_in_hf --checkpoint.initial_load_path <folder>."""
-    graft = GraftConfig(kind="lora", layers="all", lora=LoRAConfig(rank=8, alpha=16.0, dropout=0.0))
-    spec = model_spec("qwen3_debug", graft=graft, gradmem={"inner_lr": 0.4})
-    config = debug_recipe(spec, name="gradmem_qwen3_debug_tasks", lr=3e-3)
-    return _task_data(config, name="gradmem_qwen3_debug_tasks", tasks=GRAFT_TASKS, pairs="4,8", seq_len=128)
+    with --checkpoint.initial_load_in_hf --checkpoint.initial_load_path <folder>. Trainable:
+    LoRA 90,112 + M_0 1,024 + the WRITE head's Delta 524,288 (vocabulary 4096 x dim 128) = 615,424."""
+    return _qwen3_debug_tasks("gradmem_qwen3_debug_tasks", 8, {"inner_lr": 0.4})
+
+
+# The forward twin's LoRA rank: the forward WRITE has no WRITE head (models/memory/gradmem.py
+# builds Delta for the gradient WRITE only), so its LoRA takes the head's 524,288 parameters
+# instead: 11,264 LoRA parameters per unit of rank on qwen3_debug's 4 blocks.
+FORWARD_TWIN_RANK = 55
+
+
+def gradmem_qwen3_debug_forward_tasks() -> Trainer.Config:
+    """The forward-WRITE twin of gradmem_qwen3_debug_tasks (the paper's RMT baseline, Table 1):
+    the same backbone, data, m = 8, K = 2 memory updates (two forward writes of [M; C; M], as
+    Table 1's "x2" rows; alpha unused), recipe and steps; start it from a Hugging Face folder the
+    same way. The one difference is where the trainable parameters sit: the forward WRITE has
+    no WRITE head (Delta, 524,288 parameters in the gradient twin), so LoRA is rank 55 (alpha
+    110, the same alpha / rank of 2) instead of 8: 619,520 LoRA + 1,024 M_0 = 620,544
+    trainable, 0.8% more than the gradient twin's 615,424 (the nearest integer rank; 54 would
+    give 1.0% fewer)."""
+    return _qwen3_debug_tasks("gradmem_qwen3_debug_forward_tasks", FORWARD_TWIN_RANK,
+                              {"write": "forward", "write_steps": 2})
 
 
 def gradmem_llama3_2_1b_tasks() -> Trainer.Config:

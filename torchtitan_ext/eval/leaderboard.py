@@ -176,6 +176,8 @@ def markdown(results: dict) -> str:
              "then items. Rows read chunk by chunk (streaming): "
              + ", ".join(n for n, r in results["rows"].items() if r["mode"] == "streaming") + "; sliding window: "
              + ", ".join(n for n, r in results["rows"].items() if r["mode"] == "sliding")
+             + "; context written into a memory, then read after it (write_read): "
+             + ", ".join(n for n, r in results["rows"].items() if r["mode"] == "write_read")
              + ". Zero-shot lm-eval on the rows' Hugging Face exports is not part of this table yet.", "",
              "| row | mode | " + " | ".join(f"ppl @{n}" for n in lengths)
              + " | recall beyond window % | train tok/s | eval tok/s | peak MB | state KB |",

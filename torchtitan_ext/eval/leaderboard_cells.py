@@ -8,7 +8,13 @@ targets past the training length (8x documents); "recall": {task: {length: [0/1 
 (S-NIAH, MK-NIAH, KV retrieval, BABILong qa1-qa5; a length a task's shortest sample does not
 fit is absent); "cost": training tokens/s (mean of the logged steps after the first), eval
 tokens/s, peak resident memory of the training process tree (bytes), state bytes carried per
-sequence after reading 8x seq_len (streaming rows: the stream state's tensors; others: None).
+sequence after reading 8x seq_len (streaming rows: the stream state's tensors; write_read rows:
+the written memory's; others: None).
+
+A "write_read" row (GradMem: leaderboard_suites.py's module docstring) reads each recall
+prompt's context into its memory and the question after it at positions from 0 (`prompt_of`;
+tasks.py `answer`), and each document in segments of its window, every segment after the
+memory written from all the tokens before it (`write_read_logits`).
 """
 
 from __future__ import annotations
@@ -108,7 +114,7 @@ def load_row(row: Row, chosen: Suite, checkpoint: Path):
     """(long_ppl Entry, tokenizer, held-out documents) of a trained cell or the backbone folder."""
     from torchtitan_ext.eval.long_ppl import load_entry
 
-    window = chosen.window_of(row) if row.mode == "sliding" else None
+    window = chosen.window_of(row) if row.mode in ("sliding", "write_read") else None
     entry, assets = load_entry(str(checkpoint), row.config, row.mode, row.name, window, None)
     return entry, tokenizer_of(assets), ppl_docs(chosen, assets)
 
@@ -152,7 +158,12 @@ def state_bytes(state) -> int:
 
 
 def carried_bytes(entry, doc: list[int]) -> int | None:
-    """State bytes after streaming one document (streaming rows), else None."""
+    """State bytes after streaming one document (streaming rows) or of the memory written from
+    it (write_read rows), else None."""
+    if entry.mode == "write_read":
+        with torch.no_grad():
+            memory, _ = entry.model.write(torch.tensor([doc]), torch.tensor([len(doc)]))
+        return state_bytes(memory)
     if entry.mode != "streaming":
         return None
     from torchtitan_ext.eval.tasks import stream_chunks
@@ -162,36 +173,82 @@ def carried_bytes(entry, doc: list[int]) -> int | None:
     return state_bytes(state)
 
 
+def write_read_logits(entry, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (B, L, vocab) of tokens (B, L) read by a GradMem row (write_read): segments of
+    entry.window tokens, each read after the memory written from every token before it (the
+    first after M_0), its positions from 0; the read never sees the context itself."""
+    model, logits = entry.model, []
+    batch, length = tokens.shape
+    for start in range(0, length, entry.window):
+        if start:
+            memory, _ = model.write(tokens[:, :start], torch.full((batch,), start))
+        else:
+            memory = model.gradmem.initial(batch)
+        with torch.no_grad():
+            logits.append(model.read(memory, tokens[:, start:start + entry.window]))
+    return torch.cat(logits, 1)
+
+
+def document_nll(entry, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, L - 1) NLL of tokens[:, 1:] under the row's mode (long_ppl's `token_nll`, or
+    `write_read_logits`)."""
+    from torchtitan_ext.eval.long_ppl import token_nll
+
+    if entry.mode != "write_read":
+        return token_nll(entry, tokens)
+    logits = write_read_logits(entry, tokens)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), tokens[:, 1:], reduction="none")
+
+
 def visible(entry, ids: list[int]) -> list[int]:
     """The prompt a row reads: a sliding-window row sees its last `window` tokens."""
     return ids[-entry.window:] if entry.mode == "sliding" else ids
 
 
+def prompt_of(entry, tokenizer, task: str, sample, ids: list[int]) -> tuple[list[int], int]:
+    """(prompt ids, the question's first index) a row reads of a sample whose BOS + context +
+    query encodes as `ids`: a write_read row gets BOS + context and the question encoded apart,
+    the question a new segment at the context's length (tasks.py `encode_prompt` /
+    babilong.py `encode`, "new_segment"); the others `visible(ids)`, the question right after
+    the context (index 0)."""
+    from torchtitan_ext.eval import babilong
+    from torchtitan_ext.eval.tasks import encode_prompt
+
+    if entry.mode != "write_read":
+        return visible(entry, ids), 0
+    if task in BABILONG_TASKS:
+        return babilong.encode(sample, ids, tokenizer, "new_segment")
+    prompt, query, _, _ = encode_prompt(task, sample, ids, tokenizer, "new_segment")
+    return prompt, query
+
+
 def task_scores(entry, tokenizer, chosen: Suite, task: str, length: int) -> list[float]:
     """Exact match (0/1) of each prompt of a task at one length, drawn the same for every row
-    and seed (random.Random(f"{task}-{length}")); [] when the task's shortest sample does not
-    fit the length."""
+    and seed (random.Random(f"{task}-{length}")), placed as the row reads it (`prompt_of`);
+    [] when the task's shortest sample does not fit the length."""
     from torchtitan_ext.data.synthetic_tasks import fit_sample, score
     from torchtitan_ext.eval import babilong
     from torchtitan_ext.eval.tasks import answer
 
-    def generate(ids: list[int]) -> str:
-        return tokenizer.decode(answer(entry, visible(entry, ids), chosen.answer_tokens))
+    def generate(ids: list[int], sample) -> str:
+        prompt, query = prompt_of(entry, tokenizer, task, sample, ids)
+        return tokenizer.decode(answer(entry, prompt, chosen.answer_tokens, query))
 
     try:
         if task in BABILONG_TASKS:
             drawn = babilong.items([task], [str(length)], chosen.recall_samples, 0, tokenizer)[task, str(length)]
-            return [float(babilong.correct(generate(ids), item.answers[0])) for ids, item in drawn]
+            return [float(babilong.correct(generate(ids, item), item.answers[0])) for ids, item in drawn]
         rng = random.Random(f"{task}-{length}")
         drawn = [fit_sample(task, rng, tokenizer, length) for _ in range(chosen.recall_samples)]
     except UserError:
         return []
-    return [float(score(task, generate(ids), sample.answers) == 1.0) for ids, sample in drawn]
+    return [float(score(task, generate(ids, sample), sample.answers) == 1.0) for ids, sample in drawn]
 
 
 def recall(entry, tokenizer, chosen: Suite, row: Row) -> dict:
     """{task: {length: [0/1 per prompt]}} at 1x-8x the row's window: S-NIAH, MK-NIAH, KV
-    retrieval, BABILong qa1-qa5; greedy decoding, the question right after the context."""
+    retrieval, BABILong qa1-qa5; greedy decoding, the question right after the context (a
+    write_read row: after the memory the context was written into)."""
     out: dict = {}
     for task in (*RECALL_TASKS, *BABILONG_TASKS):
         for length in chosen.recall_lengths(row):
@@ -202,12 +259,10 @@ def recall(entry, tokenizer, chosen: Suite, row: Row) -> dict:
 
 def evaluate_model(row: Row, chosen: Suite, checkpoint: Path) -> dict:
     """Perplexity, recall and eval cost of one trained row (module docstring)."""
-    from torchtitan_ext.eval.long_ppl import token_nll
-
     entry, tokenizer, docs = load_row(row, chosen, checkpoint)
     start = time.perf_counter()
     with torch.no_grad():
-        nll = torch.cat([token_nll(entry, torch.tensor([d])) for d in docs]).float()
+        nll = torch.cat([document_nll(entry, torch.tensor([d])) for d in docs]).float()
     seconds = time.perf_counter() - start
     return {**ppl_figures(nll, chosen), "recall": recall(entry, tokenizer, chosen, row),
             "cost": {"eval_tokens_per_s": nll.numel() / seconds, "state_bytes": carried_bytes(entry, docs[0])}}

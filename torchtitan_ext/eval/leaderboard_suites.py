@@ -7,7 +7,16 @@ it reads past its training context:
 - "streaming": segment by segment with the memory state carried (Titans, Mela, and the grafts,
   whose stream carries key / value caches as well as their memories);
 - "full": the whole text in one pass (Transformer++ with full attention, the MLP-FFN LM);
-- "sliding": each token sees the last `window` tokens (the window-only controls).
+- "sliding": each token sees the last `window` tokens (the window-only controls);
+- "write_read" (grafted GradMem and its forward-WRITE twin, whose rows hold [context; query]
+  with positions restarting at the query: models/grafts/gradmem.py): a recall prompt's context
+  is written into the memory (K gradient steps, or K forward writes, each one pass over the
+  whole context: at 2x-8x the window, positions past the backbone's) and its question read
+  after the memory at positions from 0, never seeing the context (tasks.py `answer` with the
+  question as a new segment: GradMem's own protocol); perplexity reads the document in segments
+  of `window` tokens, each after a memory written from every token before it (the first after
+  the meta-learned M_0), positions restarting at each segment (leaderboard_cells.py
+  `write_read_logits`).
 torchtitan's llama3 has no sliding-window attention mask (its FlexAttention masks are causal,
 per document or block-causal), so the window-only Transformer++ is the same model trained on
 `window`-token sequences (as many tokens per step: a batch `seq_len / window` times larger)
@@ -15,10 +24,10 @@ and read with long_ppl's sliding window of `window` tokens; in the recall tasks 
 prompt's last `window` tokens. The frozen backbone and the LoRA-only control read the same way.
 "test_time" rows are whole_book.py methods on the frozen backbone (chunks of half a window
 read in a window, each scored then learned from); they answer no recall prompt.
-Not a row yet: grafted GradMem (train_configs.gradmem:gradmem_qwen3_debug_tasks) reads rows of
-[context; query] with positions restarting at the query (models/grafts/gradmem.py), which this
-text and prompt evaluation does not build (its own protocol: torchtitan_ext/eval/gradmem_kv.py),
-and its forward-WRITE twin has no grafted config; its hypothesis is reported "not run".
+The grafts train from the backbone's Hugging Face folder on their configs' data: the embedded
+corpus, except GradMem and its twin, which train on KV-retrieval rows of [context | query]
+(train_configs.gradmem: `gradmem_qwen3_debug_tasks`, `gradmem_qwen3_debug_forward_tasks`, the
+twin's LoRA rank raised so that both train as many parameters within 1%).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ BABILONG_TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
 class Row:
     """One family or graft. config: "module:function" (the frozen backbone and the test-time
     rows: the backbone's, for loading); kind: scratch | graft | backbone | test_time; mode:
-    streaming | full | sliding (module docstring); method: the whole_book.py spec of a
+    streaming | full | sliding | write_read (module docstring); method: the whole_book.py spec of a
     test_time row; windowed: trained on window-token sequences (the window-only control)."""
 
     name: str
@@ -77,6 +86,8 @@ GRAFT_ROWS = (
     Row("memoryllama_alma", "train_configs.backbone:memoryllama_alma_debug", "graft", "streaming"),
     Row("memoryllama_gema", "train_configs.backbone:memoryllama_gema_debug", "graft", "streaming"),
     Row("mone", "train_configs.backbone:mone_debug", "graft", "streaming"),
+    Row("gradmem", "train_configs.gradmem:gradmem_qwen3_debug_tasks", "graft", "write_read"),
+    Row("gradmem_forward", "train_configs.gradmem:gradmem_qwen3_debug_forward_tasks", "graft", "write_read"),
     Row("locas_glu", BACKBONE_CONFIG, "test_time", "sliding", method="locas_glu"),
     Row("templora", BACKBONE_CONFIG, "test_time", "sliding", method="templora"),
 )

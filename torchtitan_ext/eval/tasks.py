@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from models.grafts.gradmem import GradMemLM
 from models.grafts.mone import end_segments, MoNeBlock
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import babilong
@@ -95,8 +96,11 @@ def answer(entry, ids: list[int], new_tokens: int, query: int = 0) -> list[int]:
     """Greedy continuation of ids (the question from `query` on as a new segment, or 0).
     Streaming a model that continues from any token (stream segment 1: the backbones and
     their grafts) reads the prompt once and then one token per step, its state carried;
-    otherwise each step re-reads the whole sequence in the entry's mode (a Mela stream
-    continues at chunk boundaries only)."""
+    a GradMem model writes the context once and reads the question after the memory
+    (`written_answer`); otherwise each step re-reads the whole sequence in the entry's mode
+    (a Mela stream continues at chunk boundaries only)."""
+    if isinstance(entry.model, GradMemLM):
+        return written_answer(entry.model, ids, new_tokens, query)
     if entry.mode == "streaming" and entry.model.cfg.stream_segment == 1:
         return streamed_answer(entry, ids, new_tokens, query)
     seq = torch.tensor([ids])
@@ -104,6 +108,17 @@ def answer(entry, ids: list[int], new_tokens: int, query: int = 0) -> list[int]:
         for _ in range(new_tokens):
             seq = torch.cat([seq, prompt_logits(entry, seq, query)[:, -1:].argmax(-1)], 1)
     return seq[0, len(ids):].tolist()
+
+
+def written_answer(model: GradMemLM, ids: list[int], new_tokens: int, query: int) -> list[int]:
+    """Greedy continuation of a GradMem prompt: ids[:query] (BOS + context) written into the
+    memory, ids[query:] (the question) read after it at positions from 0 (GradMemLM.generate);
+    UserError without a new-segment question (query 0: the read would have no context)."""
+    if not 0 < query < len(ids):
+        raise UserError("GradMem answers from the memory its context was written into: start the question as a "
+                        "new segment after the context (0 < query < prompt length)")
+    return model.generate(torch.tensor([ids[:query]]), torch.tensor([query]), torch.tensor([ids[query:]]),
+                          new_tokens)[0].tolist()
 
 
 def streamed_answer(entry, ids: list[int], new_tokens: int, query: int = 0) -> list[int]:
