@@ -3,6 +3,14 @@
 - `newton_schulz(x, steps, backend)`: Muon's Newton-Schulz iteration.
 - `memory_update(weight, momentum, grad, eta, alpha, ns_steps, backend, step_scale)`: the
   memory's per-chunk step S' = eta S - G, M' = (1 - alpha) M + step_scale NS(S'), fused in one kernel.
+- `token_chunk_step(state, q, k, v, token_weights, mix, residual, backend)`: one chunk of the
+  memory's per-token rule (read, explicit backward, weighted sums, mix; kernels/token_step.py).
+  "torch" / "compiled": the plain torch forward differentiated by autograd (the computation of
+  the memory's own unfused `chunk_step`, written apart), "fused_torch": the torch reference
+  with its hand-written backward, "triton": the fused kernels (the Hugging Face export ships
+  the file; without triton only its torch paths). "auto" looks up op "token_step" in the auto table,
+  which has no entry for it (never measured on a GPU), so it resolves to the device default,
+  never to a fused path; `token_step_refusal` says why a fused backend cannot take a step.
 backend "auto" runs what was measured fastest (`kernels/auto_table.py`): a table of (device
 kind, op, shape class) -> backend, compiled torch on CUDA where no kernel was measured
 faster (today everywhere: on an H100 the Triton paths were 1.2-2.3x slower for training),
@@ -28,9 +36,12 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from kernels.auto_table import AUTO_TABLE, DEVICE_DEFAULTS, MANY_MATRICES, MAX_COLS, MAX_ROWS
 from kernels.reference import MUON_COEFFICIENTS, memory_update_reference, newton_schulz_reference
+from kernels.token_step import token_step_fused_torch, token_step_torch, token_step_triton, triton_refusal
 
 BACKENDS = ("auto", "triton", "triton_blocked", "torch", "compiled")  # newton_schulz
 MEMORY_UPDATE_BACKENDS = tuple(b for b in BACKENDS if b != "triton_blocked")
+TOKEN_STEP_BACKENDS = ("auto", "torch", "compiled", "fused_torch", "triton")
+FUSED_TOKEN_STEP_BACKENDS = ("fused_torch", "triton")  # the backends `token_chunk_step` runs fused
 
 
 COMPILED_GRAPH_LIMIT = 64  # graphs one compiled function keeps before new shapes run eagerly
@@ -176,3 +187,39 @@ def memory_update(weight, momentum, grad, eta, alpha, ns_steps: int, backend: st
     compiled = backend == "compiled" and not torch.compiler.is_compiling()
     reference = _compiled(memory_update_reference) if compiled else memory_update_reference
     return reference(weight, momentum, grad, eta, alpha, ns_steps, step_scale)
+
+
+def token_step_backend(backend: str, weight: torch.Tensor) -> str:
+    """The backend that runs a per-token chunk step whose first weight matrix is `weight`
+    (..., in, out): `backend` itself unless "auto" (then the auto table's "token_step" entry,
+    else the device default: never a fused backend until one is measured faster)."""
+    return _resolve("token_step", backend, weight, TOKEN_STEP_BACKENDS)
+
+
+def token_step_refusal(backend: str, state, q, k=None, v=None, token_weights=None, mix=None) -> str | None:
+    """Why the fused `backend` ("fused_torch" / "triton") cannot take this chunk step, or None
+    when it can (shapes as `token_chunk_step`). Other backends: None."""
+    if backend == "fused_torch":
+        return None if len(state) in (1, 2) else f"depth {len(state)}: the fused step takes depth 1 or 2"
+    if backend == "triton":
+        if torch.compiler.is_compiling():
+            return "inside torch.compile (the Triton kernels run eagerly only)"
+        if not TRITON_KERNELS:
+            return "the Triton kernels cannot be imported here"
+        return triton_refusal(state, q, k, v, token_weights, mix)
+    return None
+
+
+def token_chunk_step(state, q, k, v, token_weights, mix, residual: bool = False, backend: str = "auto"):
+    """One chunk of the memory's per-token rule (kernels/token_step.py states it): state, one
+    (B, H, 2, in, out) stacked [M; S] per weight matrix; q, k, v (B, H, C, d); token_weights
+    (B, H, C, 2); mix (B, H, 2, 2). Returns (y (B, H, C, d), new state). A fused backend that
+    cannot take the step raises ValueError (`token_step_refusal` tells beforehand)."""
+    backend = token_step_backend(backend, state[0])
+    if backend == "triton":
+        return token_step_triton(state, q, k, v, token_weights, mix, residual)
+    if backend == "fused_torch":
+        return token_step_fused_torch(state, q, k, v, token_weights, mix, residual)
+    compiled = backend == "compiled" and not torch.compiler.is_compiling()
+    reference = _compiled(token_step_torch) if compiled else token_step_torch
+    return reference(state, q, k, v, token_weights, mix, residual)

@@ -5,7 +5,10 @@ FLOP/s against this machine's fp32 matmul FLOP/s measured in the same run. On CU
 present) also the Triton kernels against the torch reference: the per-matrix kernels and,
 for Newton-Schulz, the blocked path (upper-triangular Gram blocks, any size). Shapes: the
 fast weights of a depth-2 memory with head_dim 64, expansion 4: 16 matrices (batch 4 x 4
-heads) of 64 x 256 and 256 x 64, 5 Newton-Schulz steps.
+heads) of 64 x 256 and 256 x 64, 5 Newton-Schulz steps. Then one chunk of the per-token write
+rule (kernels/token_step.py; depth 2, head_dim 64, hidden 256, chunk 16, batch 4 x 4 heads,
+forward + backward): the memory's `chunk_step` against `kernels.token_chunk_step`'s "torch",
+"fused_torch" and (on CUDA only: on CPU it would run in the interpreter, no speed) "triton".
 
     python scripts/bench_kernels.py [--repeats 20]
 """
@@ -75,6 +78,34 @@ def main() -> None:
         best = min(ms.values()) / 1e3
         print(f"{name:<26}" + "".join(f"{ms[b]:>18.3f}" if b in ms else f"{'-':>18}" for b in backends)
               + f"{ms['torch'] / ms['compiled']:>15.2f}x{flops / best / 1e9:>16.1f}{flops / best / peak:>8.1%}")
+
+    token_step_rows(device, args.repeats, sync)
+
+
+def token_step_rows(device: str, repeats: int, sync) -> None:
+    """ms per forward + backward of one per-token chunk step, by backend (module docstring)."""
+    from kernels import token_chunk_step
+    from models.memory.neural_memory import chunk_gates, chunk_step, UpdateRule
+
+    g = torch.Generator().manual_seed(0)
+    dim, hidden, chunk = 64, 256, 16
+    state = [(torch.randn(*BATCH, 2, i, o, generator=g) * i ** -0.5).to(device).requires_grad_()
+             for i, o in ((dim, hidden), (hidden, dim))]
+    q, k, v = (torch.randn(*BATCH, chunk, dim, generator=g).to(device).requires_grad_() for _ in range(3))
+    gates = [torch.rand(*BATCH, 1, chunk, generator=g).to(device) for _ in range(3)]
+    token_weights, mix = (t[:, :, 0].detach().requires_grad_() for t in chunk_gates(0.01 * gates[0], gates[1].log(),
+                                                                                       (1 - 0.02 * gates[2]).log(), "token"))
+
+    def run(backend):
+        if backend == "chunk_step":
+            y, new, _ = chunk_step(tuple(state), q, k, v, token_weights, mix, UpdateRule())
+        else:
+            y, new = token_chunk_step(tuple(state), q, k, v, token_weights, mix, backend=backend)
+        (y.sum() + sum(n.sum() for n in new)).backward()
+
+    backends = ["chunk_step", "torch", "fused_torch"] + (["triton"] if device == "cuda" else [])
+    ms = {b: 1e3 * timed(lambda b=b: run(b), repeats, sync) for b in backends}
+    print("token chunk step (16 x chunk 16, 64 x 256): " + ", ".join(f"{b} {t:.3f} ms" for b, t in ms.items()))
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -111,6 +112,8 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import bounded_compile
 from kernels import memory_update as kernel_memory_update
+from kernels import (FUSED_TOKEN_STEP_BACKENDS, TOKEN_STEP_BACKENDS, token_chunk_step, token_step_backend,
+                     token_step_refusal)
 
 GATE_RULES = ("token", "chunk")
 # the fields an owning model may leave None in its nested memory config and set (`filled_by`)
@@ -139,7 +142,7 @@ class NeuralMemoryConfig:
     value_silu: bool = True
     output_norm: bool = True
     output_gate: bool = True
-    kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled
+    kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled (UpdateRule)
     compiled_chunk_step: bool = False  # torch.compile each chunk step (CPU fast path; two graphs per new shape)
     checkpoint_chunks: int = 0  # recompute groups of this many chunks in backward; 0 = keep every chunk's tensors
     read_after_write: bool | None = False  # a chunk reads the state after its own write (Mela's HMM; whole chunks only)
@@ -329,7 +332,15 @@ def _full_precision(device: torch.device):
 
 
 class UpdateRule(NamedTuple):
-    """How each chunk is written and read (the config's fields of the same names)."""
+    """How each chunk is written and read (the config's fields of the same names).
+    `backend`: gates="chunk", `kernels.memory_update`'s backend; gates="token", the fused chunk
+    step of kernels/token_step.py (`kernels.token_chunk_step`, Triton kernels or the torch
+    reference with a hand-written backward) when it resolves to "triton" or "fused_torch" (asked for
+    explicitly: "auto" resolves to them only by an auto-table entry, and none exists), the
+    step below otherwise. A step the fused path does not take (read_after_write,
+    max_update_norm > 0, depth > 2, the kernels' size / dtype / device limits; "triton" inside
+    torch.compile) falls back to the step below with a warning. gates="chunk" takes no
+    "fused_torch" (`kernels.memory_update` refuses it)."""
 
     gates: str = "token"
     ns_steps: int = 0
@@ -348,6 +359,15 @@ def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule
     decays_c (B, H, 2, 2) or (B, H, 2): the chunk's slice of `chunk_gates`. Reading before
     the write, queries and keys go through M together (one matmul per layer). Returns
     (y_c, new state, surprise sums clipped (0-dim; None without a bound))."""
+    fused = token_step_backend(rule.backend, state[0]) if rule.gates == "token" and rule.backend in TOKEN_STEP_BACKENDS \
+        else None
+    if fused in FUSED_TOKEN_STEP_BACKENDS:  # kernels/token_step.py (UpdateRule)
+        refusal = "read_after_write" if rule.read_after_write else "max_update_norm > 0" if rule.max_update_norm else \
+            token_step_refusal(fused, state, q_c, k_c, v_c, token_weights_c, decays_c)
+        if refusal is None:
+            return (*token_chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule.residual, fused), None)
+        if not torch.compiler.is_compiling():
+            warnings.warn(f"fused per-token chunk step ({fused}) not taken, unfused step instead: {refusal}", stacklevel=2)
     size = q_c.shape[2]
     weights = [s[:, :, 0] for s in state]
     if rule.read_after_write:
