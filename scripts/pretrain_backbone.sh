@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The in-house pretrained backbone the grafts start from, offline on CPU:
 #   1. train backbone_qwen3_pretrain (train_configs/backbone.py: qwen3_debug's 4-block Qwen3, native
-#      window 256) on the embedded corpus' training split mixed with S-NIAH / KV-retrieval rows of
-#      128-256 tokens, inside the window (torchtitan_ext/data/mixed_data.py);
+#      window 256) on the embedded corpus' training split mixed with S-NIAH rows of 128-256 tokens,
+#      inside the window, the loss on the whole row (torchtitan_ext/data/mixed_data.py);
 #   2. export it as a Hugging Face Qwen3 folder (scripts/convert_to_hf.py): OUT_DIR/hf/;
 #   3. score S-NIAH inside the window (scripts/eval_tasks.py: greedy answer after a prompt of
 #      256 - 24 = 232 tokens, so prompt and answer stay inside the 256 positions trained on; the
@@ -78,7 +78,7 @@ niah = {"window": window, "context_length": int(context), "samples": cell["items
 (out / "niah.json").write_text(json.dumps(niah, indent=1) + "\n")
 fig, ax = plt.subplots(figsize=(5, 3))
 ax.plot(sorted(steps), [steps[n]["loss"] for n in sorted(steps)])
-ax.set(xlabel="step", ylabel="training loss (text and task answers)", title="backbone_qwen3_pretrain")
+ax.set(xlabel="step", ylabel="training loss (text and task rows)", title="backbone_qwen3_pretrain")
 fig.tight_layout()
 fig.savefig(out / "loss.png", dpi=100)
 low, high = niah["interval"]

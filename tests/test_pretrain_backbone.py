@@ -4,6 +4,7 @@ the mixed text-and-task rows it trains on (torchtitan_ext/data/mixed_data.py).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -57,7 +58,7 @@ def test_mixed_rows_are_text_or_answer_labelled_task_rows_at_the_asked_share(tok
     config = MixedDataLoader.Config(dataset="embedded", tasks="s_niah,kv_retrieval", lengths="128,256",
                                     task_fraction=0.75)
 
-    def rows(count: int) -> list[torch.Tensor]:
+    def rows(count: int, config=config) -> list[torch.Tensor]:
         loader = MixedDataLoader(config, dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=256,
                                  local_batch_size=1)
         out = []
@@ -71,3 +72,11 @@ def test_mixed_rows_are_text_or_answer_labelled_task_rows_at_the_asked_share(tok
     labelled = [int((labels != IGNORE_INDEX).sum()) for labels in first]
     assert set(labelled) <= set(range(1, 25)) | {256}
     assert 20 <= sum(n < 256 for n in labelled) <= 38
+    # task_labels="row" (the backbone's pretraining): the same rows, each task row labelled on
+    # its whole sample, which holds the answer labels
+    whole = rows(40, dataclasses.replace(config, task_labels="row"))
+    for answer_only, row in zip(first, whole):
+        on_answer = answer_only != IGNORE_INDEX
+        assert torch.equal(row[on_answer], answer_only[on_answer])
+        if on_answer.sum() < 256:
+            assert (row != IGNORE_INDEX).sum() > 100
