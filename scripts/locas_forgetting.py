@@ -11,8 +11,8 @@ a plain Qwen3ForCausalLM / LlamaForCausalLM folder).
     python scripts/locas_forgetting.py --model baseline=<folder> --model locas_glu=<merged folder> \\
         --tasks my_task --include-path <task folder> --out eval/locas_forgetting
 
-Every `--model LABEL=FOLDER` (the first is the baseline) is run through `python -m lm_eval
---model hf` with `--log_samples` (float32 on CPU, `--device` / `--dtype` otherwise); the
+Every `--model LABEL=FOLDER` (the first is the baseline) is run through lm_eval's "hf" model
+(`torchtitan_ext/eval/zero_shot.py`) with its samples logged (float32 on CPU, `--device` / `--dtype` otherwise); the
 per-question `acc` of every task (MMLU's 57 subjects pooled, each question weighing the same)
 gives each model's accuracy with a 95% bootstrap interval over questions, and its change from
 the baseline paired by question (the same questions, `torchtitan_ext/eval/stats.py`).
@@ -24,17 +24,15 @@ failing) ends with one line and exit code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.stats import bootstrap
+from torchtitan_ext.eval.zero_shot import run_lm_eval
 from torchtitan_ext.paths import write_results
 
 
@@ -51,29 +49,6 @@ def parse_models(specs: list[str]) -> list[tuple[str, Path]]:
                             "give an export, e.g. eval_long_ppl.py --merge-out's folder")
         models.append((label, Path(folder)))
     return models
-
-
-def run_lm_eval(folder: Path, tasks: str, include_path: str | None, device: str, dtype: str, limit: int | None,
-                out: Path) -> dict[tuple[str, int], float]:
-    """lm_eval on one model folder -> {(task, doc_id): acc} from its logged samples."""
-    command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-               f"pretrained={folder},dtype={dtype}", "--tasks", tasks, "--device", device, "--batch_size", "1",
-               "--log_samples", "--output_path", str(out)]
-    command += ["--include_path", include_path] if include_path else []
-    command += ["--limit", str(limit)] if limit else []
-    run = subprocess.run(command, capture_output=True, text=True)
-    if run.returncode != 0:
-        last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise UserError(f"lm_eval failed on {folder} (exit {run.returncode}): {last}")
-    scores = {}
-    for path in out.rglob("samples_*.jsonl"):
-        task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
-        for line in path.read_text().splitlines():
-            sample = json.loads(line)
-            scores[(task, int(sample["doc_id"]))] = float(sample["acc"])
-    if not scores:
-        raise UserError(f"lm_eval wrote no per-question 'acc' for --tasks {tasks}: give multiple-choice tasks")
-    return scores
 
 
 def compare(per_model: dict[str, dict[tuple[str, int], float]]) -> list[dict]:
@@ -123,9 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         if importlib.util.find_spec("lm_eval") is None:
             raise UserError("lm_eval is not installed: EXTRAS=eval bash scripts/setup.sh")
         models = parse_models(args.model)
-        with tempfile.TemporaryDirectory() as scratch:
-            per_model = {label: run_lm_eval(folder, args.tasks, args.include_path, args.device, args.dtype, args.limit,
-                                            Path(scratch) / str(i)) for i, (label, folder) in enumerate(models)}
+        per_model = {label: run_lm_eval(folder, args.tasks, args.include_path, args.device, args.dtype, args.limit)
+                     for label, folder in models}
         results = {"tasks": args.tasks, "models": {label: str(folder) for label, folder in models},
                    "rows": compare(per_model)}
     except UserError as e:

@@ -39,16 +39,21 @@ def leaderboard(*args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def ci_run(tmp_path_factory, tokenizer_dir):
-    """The ci suite's TEST_ROWS run twice into one folder: (folder, first run, second run)."""
+    """The ci suite's TEST_ROWS run twice into one folder, mela's cell stripped of its zero-shot
+    scores between the runs (a cell finished before that column): (folder, first run, second
+    run, mela's zero-shot scores of the first run)."""
     out = tmp_path_factory.mktemp("leaderboard")
     first = leaderboard("--suite", "ci", "--rows", ",".join(TEST_ROWS), "--out", str(out))
+    mela = out / "cells" / "mela" / "seed0.json"
+    cell = json.loads(mela.read_text()) if mela.is_file() else {}
+    mela.write_text(json.dumps({k: v for k, v in cell.items() if k != "zero_shot"}))
     second = leaderboard("--suite", "ci", "--rows", ",".join(TEST_ROWS), "--out", str(out))
-    return out, first, second
+    return out, first, second, cell.get("zero_shot")
 
 
 @pytest.mark.slow
 def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
-    out, first, _ = ci_run
+    out, first, _, _ = ci_run
     assert first.returncode == 0, first.stderr[-3000:]
     results = json.loads((out / "leaderboard.json").read_text())
     assert set(results["rows"]) == set(TEST_ROWS)
@@ -59,6 +64,12 @@ def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
         recall = [summary for task in row["recall_by_length"].values() for summary in task.values()]
         assert all(len(s["ci95"]) == 2 and s["per_seed"] for s in recall), name
         assert recall or row["mode"] == "sliding" and name in TEST_TIME, name
+    for name, row in results["rows"].items():  # lm-eval on every export; a test-time method has none,
+        if name in TEST_TIME or row["mode"] == "write_read":  # nor GradMem, which reads after a write only
+            assert row["zero_shot"] is None, name
+            continue
+        (cloze,) = row["zero_shot"].values()
+        assert 0 <= cloze["pooled"] <= 1 and cloze["per_seed"][0]["items"] == SUITES["ci"].zero_shot_items, name
     trained = [n for n, r in results["rows"].items() if "train_tokens_per_s" in r["cost"]["mean"]]
     assert len(trained) == sum(r.kind in ("scratch", "graft") for r in SUITES["ci"].rows if r.name in TEST_ROWS)
     assert [h["claim"] for h in results["hypotheses"]] == [h.claim for h in HYPOTHESES]
@@ -75,11 +86,12 @@ def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
 
 
 @pytest.mark.slow
-def test_a_rerun_skips_every_finished_cell(ci_run):
-    out, first, second = ci_run
+def test_a_rerun_skips_every_finished_cell_and_adds_a_missing_zero_shot_column(ci_run):
+    out, first, second, mela_zero_shot = ci_run
     cells = len(TEST_ROWS) * len(SUITES["ci"].seeds)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"cells run 0, skipped {cells}" in second.stdout
+    assert mela_zero_shot and json.loads((out / "cells" / "mela" / "seed0.json").read_text())["zero_shot"] == mela_zero_shot
 
 
 def test_the_ci_suite_has_every_family_and_graft_of_the_comparison():

@@ -52,15 +52,19 @@ def inside(cell: dict) -> list[float]:
 
 
 def summarize_row(cells: list[dict]) -> dict:
-    """One row's figures: perplexity per length and recall per task and length (pooled, 95%
-    interval, per seed), recall beyond the window, cost per seed and averaged."""
+    """One row's figures: perplexity per length, recall per task and length and zero-shot
+    accuracy per task (pooled, 95% interval, per seed; zero-shot None unless every seed has
+    it), recall beyond the window, cost per seed and averaged."""
     ppl = {n: summarize_seeds([c["ppl"][n] for c in cells], "exp_mean") for n in cells[0]["ppl"]}
     recall = {task: {n: summarize_seeds([c["recall"][task][n] for c in cells]) for n in lengths}
               for task, lengths in cells[0]["recall"].items()}
     beyond_items = [beyond(c) for c in cells]
     costs = [{**c["cost"], **(c["train"] or {})} for c in cells]
     mean = {key: sum(c[key] for c in costs) / len(costs) for key in costs[0] if costs[0][key] is not None}
+    zero_shot = {task: summarize_seeds([c["zero_shot"][task] for c in cells]) for task in cells[0]["zero_shot"]} \
+        if all(c.get("zero_shot") for c in cells) else None
     return {"mode": cells[0]["mode"], "window": cells[0]["window"], "seeds": [c["seed"] for c in cells], "ppl_by_length": ppl,
+            "zero_shot": zero_shot,
             "ppl_past_training_length": summarize_seeds([c["ppl_past"] for c in cells], "exp_mean"),
             "ppl_buckets": [c["buckets"] for c in cells], "recall_by_length": recall,
             "recall_beyond_window": summarize_seeds(beyond_items) if all(beyond_items) else None,
@@ -163,6 +167,10 @@ def _cost(value, scale: float = 1.0, digits: int = 0) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
+def _zero_shot(summaries: dict | None) -> str:
+    return "-" if not summaries else "; ".join(format_summary(s, 100) for s in summaries.values())
+
+
 def markdown(results: dict) -> str:
     """One table (rows x metrics with intervals) and the hypotheses with their verdicts."""
     lengths = list(next(iter(results["rows"].values()))["ppl_by_length"]) if results["rows"] else []
@@ -178,15 +186,17 @@ def markdown(results: dict) -> str:
              + ", ".join(n for n, r in results["rows"].items() if r["mode"] == "sliding")
              + "; context written into a memory, then read after it (write_read): "
              + ", ".join(n for n, r in results["rows"].items() if r["mode"] == "write_read")
-             + ". Zero-shot lm-eval on the rows' Hugging Face exports is not part of this table yet.", "",
+             + ". Zero-shot: lm-eval accuracy on each row's Hugging Face export (heldout_cloze: which of four "
+               "endings continues a held-out passage, chance 25%; torchtitan_ext/eval/zero_shot.py).", "",
              "| row | mode | " + " | ".join(f"ppl @{n}" for n in lengths)
-             + " | recall beyond window % | train tok/s | eval tok/s | peak MB | state KB |",
-             "| --- | --- | " + " | ".join("---" for _ in lengths) + " | --- | --- | --- | --- | --- |"]
+             + " | recall beyond window % | zero-shot % | train tok/s | eval tok/s | peak MB | state KB |",
+             "| --- | --- | " + " | ".join("---" for _ in lengths) + " | --- | --- | --- | --- | --- | --- |"]
     for name, row in results["rows"].items():
         cost, recall = row["cost"]["mean"], row["recall_beyond_window"]
         lines.append(f"| {name} | {row['mode']} | " + " | ".join(format_summary(row["ppl_by_length"][n])
                                                                 for n in lengths)
-                     + f" | {format_summary(recall, 100) if recall else '-'} | {_cost(cost.get('train_tokens_per_s'))}"
+                     + f" | {format_summary(recall, 100) if recall else '-'}"
+                     + f" | {_zero_shot(row['zero_shot'])} | {_cost(cost.get('train_tokens_per_s'))}"
                      + f" | {_cost(cost.get('eval_tokens_per_s'))} | {_cost(cost.get('peak_rss_bytes'), 2**20)}"
                      + f" | {_cost(cost.get('state_bytes'), 2**10, 1)} |")
     if niah := results["backbone_niah"]:

@@ -9,7 +9,9 @@ targets past the training length (8x documents); "recall": {task: {length: [0/1 
 fit is absent); "cost": training tokens/s (mean of the logged steps after the first), eval
 tokens/s, peak resident memory of the training process tree (bytes), state bytes carried per
 sequence after reading 8x seq_len (streaming rows: the stream state's tensors; write_read rows:
-the written memory's; others: None).
+the written memory's; others: None); "zero_shot": {task: [lm-eval acc per question]} of the
+cell's Hugging Face export (`zero_shot_cell`; None for a test-time method, a write_read row or a
+suite without the task), added to a cell finished before that column existed on the next run.
 
 A "write_read" row (GradMem: leaderboard_suites.py's module docstring) reads each recall
 prompt's context into its memory and the question after it at positions from 0 (`prompt_of`;
@@ -315,6 +317,44 @@ def evaluate_cell(row: Row, chosen: Suite, seed: int, out: Path, hf: Path | None
     return evaluate_model(row, chosen, checkpoint)
 
 
+def export_folder(row: Row, chosen: Suite, seed: int, out: Path, hf: Path | None) -> Path:
+    """The Hugging Face folder of a trained cell that lm-eval reads: the backbone's own (the
+    frozen backbone), else the cell's last checkpoint exported once into its run folder's
+    hf_<row>/ (plain transformers classes or the project's remote code, which transformers
+    caches per process under the folder's name, so each row's export has its own)."""
+    if row.kind == "backbone":
+        return hf
+    folder = cell_folder(out, row, seed) / f"hf_{row.name}"
+    if not (folder / "config.json").is_file():
+        from torchtitan_ext.hf_export import export
+        from torchtitan_ext.training.checkpoints import model_from_checkpoint
+
+        module, _, function = row.config.partition(":")
+        model, config = model_from_checkpoint(module, function,
+                                              cell_folder(out, row, seed) / "checkpoint" / f"step-{chosen.steps}")
+        export(model, config, folder)
+    return folder
+
+
+def zero_shot_cell(row: Row, chosen: Suite, seed: int, out: Path, hf: Path | None) -> dict | None:
+    """{task: [lm-eval acc of each question, by doc id]} of a cell's export on the suite's
+    local zero-shot task (torchtitan_ext/eval/zero_shot.py: heldout_cloze, `zero_shot_items`
+    questions written once into out/zero_shot_task), float32; None for a suite without the
+    task, a test-time method, and a write_read row (GradMem reads only from a memory its
+    context was written into, and lm-eval scores a causal forward of context + ending)."""
+    from torchtitan_ext.eval.zero_shot import CLOZE_TASK, run_lm_eval, write_cloze_task
+
+    if not chosen.zero_shot_items or row.mode == "write_read" or row.kind == "test_time":
+        return None
+    folder = export_folder(row, chosen, seed, out, hf)
+    tasks = out / "zero_shot_task"
+    if not (tasks / f"{CLOZE_TASK}.yaml").is_file():
+        write_cloze_task(tasks, chosen.zero_shot_items)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scores = run_lm_eval(folder, CLOZE_TASK, str(tasks), device, "float32", None)
+    return {CLOZE_TASK: [scores[(CLOZE_TASK, i)] for i in range(chosen.zero_shot_items)]}
+
+
 def cell_folder(out: Path, row: Row, seed: int) -> Path:
     """The training run's dump folder of a cell."""
     return out / "runs" / row.name / f"seed{seed}"
@@ -333,11 +373,16 @@ def run_cells(rows: tuple[Row, ...], chosen: Suite, out: Path) -> dict:
 
     cells = [(row, seed) for row in rows for seed in chosen.seeds]
     pending = [(row, seed) for row, seed in cells if not cell_path(out, row, seed).is_file()]
-    needs_backbone = any(row.kind != "scratch" for row, _ in pending)
+    no_zero_shot = [(row, seed) for row, seed in cells
+                    if (row, seed) not in pending and "zero_shot" not in json.loads(cell_path(out, row, seed).read_text())]
+    needs_backbone = any(row.kind != "scratch" for row, _ in pending + no_zero_shot)
     hf = backbone_folder(out / "backbone", chosen) if needs_backbone else None
     first = {row.name: (row, seed) for row, seed in reversed(pending) if row.kind in ("scratch", "graft")}
     for row, seed in first.values():
         explicit_preflight(train_args(row, chosen, seed, cell_folder(out, row, seed), hf))
+    for row, seed in no_zero_shot:  # a cell finished before the zero-shot column existed
+        cell = json.loads(cell_path(out, row, seed).read_text())
+        write_json(cell_path(out, row, seed), {**cell, "zero_shot": zero_shot_cell(row, chosen, seed, out, hf)})
     lead, trainer, trained = int(chosen.overlap), ThreadPoolExecutor(max_workers=1), []
     try:
         for index, (row, seed) in enumerate(tqdm(pending, desc="cells", file=sys.stderr)):
@@ -346,7 +391,7 @@ def run_cells(rows: tuple[Row, ...], chosen: Suite, out: Path) -> dict:
                 trained.append(trainer.submit(train_cell, queued_row, chosen, queued_seed, out, hf))
             cost = trained[index].result()
             started = time.time()
-            result = evaluate_cell(row, chosen, seed, out, hf)
+            result = {**evaluate_cell(row, chosen, seed, out, hf), "zero_shot": zero_shot_cell(row, chosen, seed, out, hf)}
             write_json(cell_path(out, row, seed), {"row": row.name, "seed": seed, "mode": row.mode, "window": chosen.window_of(row),
                                                    "eval_seconds": time.time() - started, **result, "train": cost})
     finally:

@@ -68,7 +68,14 @@ def dry_run(chosen: Suite, rows: tuple[Row, ...], assets: str | None) -> str:
                 refused.append(f"{row.name} at {nodes * per_node} ranks: {outcome.removeprefix('error: ')}")
     if refused:
         raise UserError(f"preflight refused {len(refused)} of {len(lines)}: {refused[0]}")
-    return "\n".join(lines + ["", "or per node under Slurm: sbatch --nodes=<NNODES> scripts/slurm_train.sbatch <args above>"])
+    from torchtitan_ext.eval.zero_shot import PAPER_RULER, PAPER_TASKS
+
+    ruler, lengths = PAPER_RULER
+    zero_shot = (f"zero-shot on each row's export (python scripts/convert_to_hf.py ...): lm_eval --model hf --model_args "
+                 f"pretrained=<export>,trust_remote_code=True,dtype=bfloat16 --tasks {','.join(PAPER_TASKS)}; RULER: "
+                 f"--tasks {ruler} --metadata '{{\"max_seq_lengths\": {list(lengths)}}}'")
+    return "\n".join(lines + ["", "or per node under Slurm: sbatch --nodes=<NNODES> scripts/slurm_train.sbatch <args above>",
+                              zero_shot])
 
 
 def non_embedding_params(row: Row) -> int:
