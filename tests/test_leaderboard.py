@@ -19,7 +19,7 @@ import torch
 from conftest import REPO
 from torchtitan_ext.eval import leaderboard_cells
 from torchtitan_ext.eval.leaderboard import combine, verdict
-from torchtitan_ext.eval.leaderboard_launch import non_embedding_params
+from torchtitan_ext.eval.leaderboard_launch import built_model, non_embedding_params, trainable_params
 from torchtitan_ext.eval.leaderboard_suites import BABILONG_TASKS, HYPOTHESES, SUITES
 
 
@@ -103,19 +103,12 @@ def test_the_ci_suite_has_every_family_and_graft_of_the_comparison():
 
 
 def test_the_gradmem_twins_differ_in_the_write_and_train_as_many_parameters_within_1_percent():
-    from torchtitan_ext.training import cli
-
     rows = {row.name: row for row in SUITES["ci"].rows}
-    built = {}
-    for name in ("gradmem", "gradmem_forward"):
-        module, _, function = rows[name].config.partition(":")
-        spec = cli.parse(["--module", module, "--config", function]).model_spec
-        with torch.device("meta"):
-            built[name] = spec.model.build()
+    built = {name: built_model(rows[name]) for name in ("gradmem", "gradmem_forward")}
     writes = {name: model.gradmem.cfg.write for name, model in built.items()}
     assert writes == {"gradmem": "gradient", "gradmem_forward": "forward"}
     assert {m.gradmem.cfg.write_steps for m in built.values()} == {2} and {m.cfg.dim for m in built.values()} == {128}
-    trained = {name: sum(p.numel() for p in m.parameters() if p.requires_grad) for name, m in built.items()}
+    trained = {name: trainable_params(rows[name]) for name in built}
     assert abs(trained["gradmem"] - trained["gradmem_forward"]) <= 0.01 * trained["gradmem"], trained
 
 
@@ -213,6 +206,18 @@ def test_the_cpu_suites_scratch_rows_have_equal_non_embedding_parameters_within_
     counts = {row.name: non_embedding_params(row) for row in SUITES["cpu"].rows if row.kind == "scratch"}
     low, high = min(counts.values()), max(counts.values())
     assert high <= 1.05 * low, counts
+
+
+def test_the_cpu_suites_grafts_train_as_many_parameters_within_5_percent():
+    """Every trained graft of the cpu suite (its LoRA, memory, heads), the LoRA-only control too;
+    the ci suite's debug configs do not (rank 8 everywhere), so the check can fail."""
+    def counts(suite: str) -> dict[str, int]:
+        return {row.name: trainable_params(row) for row in SUITES[suite].rows if row.kind == "graft"}
+
+    cpu, ci = counts("cpu"), counts("ci")
+    assert set(cpu) == {"lora_only", "memoryllama_alma", "memoryllama_gema", "mone", "gradmem", "gradmem_forward"}
+    assert max(cpu.values()) <= 1.05 * min(cpu.values()), cpu
+    assert max(ci.values()) > 1.05 * min(ci.values()), ci
 
 
 @pytest.mark.parametrize("interval,metric,sense,expected", [

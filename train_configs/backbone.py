@@ -31,11 +31,16 @@ def backbone_qwen3_debug() -> Trainer.Config:
     return debug_recipe(FAMILY.model_spec("qwen3_debug"), name="backbone_qwen3_debug")
 
 
+def qwen3_debug_lora(rank: int, name: str) -> Trainer.Config:
+    """backbone_qwen3_debug with LoRA of `rank` (alpha 2 x rank) on every block, the backbone frozen."""
+    graft = GraftConfig(kind="lora", layers="all", lora=LoRAConfig(rank=rank, alpha=2.0 * rank, dropout=0.0))
+    return debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name=name, lr=1e-2)
+
+
 def backbone_qwen3_debug_lora() -> Trainer.Config:
     """backbone_qwen3_debug with LoRA (rank 8, alpha 16) on every block, the backbone frozen;
     start it from a Hugging Face folder with --checkpoint.initial_load_in_hf."""
-    graft = GraftConfig(kind="lora", layers="all", lora=LoRAConfig(rank=8, alpha=16.0, dropout=0.0))
-    return debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="backbone_qwen3_debug_lora", lr=1e-2)
+    return qwen3_debug_lora(8, "backbone_qwen3_debug_lora")
 
 
 # MemoryLlama (thesis section 4): a neural memory in the chosen blocks, LoRA r16 / alpha 32 /
@@ -160,26 +165,29 @@ def memoryllama_finetune_1b_thesis() -> Trainer.Config:
                        lr=4e-4, cosine=True)
 
 
-def _memoryllama_debug(placement: str) -> Trainer.Config:
+def memoryllama_debug(placement: str, lora_rank: int = 8, name: str = "") -> Trainer.Config:
+    """MemoryLlama `placement` on backbone_qwen3_debug: memory chunks of 32 tokens, LoRA of
+    `lora_rank` (alpha 2 x rank) on every block."""
     graft = _memoryllama_graft(MEMORYLLAMA_LAYERS[placement], {"chunk_size": 32},
-                               LoRAConfig(rank=8, alpha=16.0, dropout=0.0))
-    return debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name=f"memoryllama_{placement}_debug", lr=1e-2)
+                               LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0))
+    return debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name=name or f"memoryllama_{placement}_debug",
+                        lr=1e-2)
 
 
 def memoryllama_alma_debug() -> Trainer.Config:
     """ALMA on backbone_qwen3_debug (memory chunks of 32 tokens, LoRA rank 8 on every block);
     start it from a Hugging Face folder with --checkpoint.initial_load_in_hf."""
-    return _memoryllama_debug("alma")
+    return memoryllama_debug("alma")
 
 
 def memoryllama_elma_debug() -> Trainer.Config:
     """ELMA on backbone_qwen3_debug (memory chunks of 32 tokens, LoRA rank 8 on every block)."""
-    return _memoryllama_debug("elma")
+    return memoryllama_debug("elma")
 
 
 def memoryllama_gema_debug() -> Trainer.Config:
     """GeMA (every second block) on backbone_qwen3_debug (memory chunks of 32, LoRA rank 8)."""
-    return _memoryllama_debug("gema")
+    return memoryllama_debug("gema")
 
 
 def memoryllama_alma_debug_tasks() -> Trainer.Config:
@@ -187,7 +195,7 @@ def memoryllama_alma_debug_tasks() -> Trainer.Config:
     the answers only; validation on held-out samples. The question continues the context in
     one document (MemoryLlama attends over the whole sequence; the thesis' BABILong reads
     context and question as one input)."""
-    config = _memoryllama_debug("alma")
+    config = memoryllama_debug("alma")
     config.dump_folder = "./outputs/memoryllama_alma_debug_tasks"
     config.dataloader = TaskDataLoader.Config(question="continue")
     config.validator = dataclasses.replace(config.validator, dataloader=TaskDataLoader.Config(
@@ -232,16 +240,21 @@ def mone_llama3_2_1b() -> Trainer.Config:
     return _mone_tasks(config, "mone_llama3_2_1b", ",".join(str(512 * n) for n in range(2, 9)))
 
 
+def mone_qwen3_debug(lora_rank: int, name: str) -> Trainer.Config:
+    """MoNe on backbone_qwen3_debug (`mone_debug`) with LoRA of `lora_rank` (alpha = rank)."""
+    graft = GraftConfig(kind="mone", layers="all", memory={"segment": 32},
+                        lora=dataclasses.replace(MONE_LORA, rank=lora_rank, alpha=float(lora_rank)))
+    config = debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name=name)
+    config.optimizer = grouped_adamw([(LORA_PARAMETERS, 5e-4), (".*", 1e-2)])
+    return config
+
+
 def mone_debug() -> Trainer.Config:
     """MoNe on backbone_qwen3_debug: every block, segments of 32 (the paper's 8 segments per
     training context at seq_len 256), LoRA r8 / alpha 8 on W_q, W_k, W_v at lr 5e-4, the
     memory at 1e-2 (the paper's 20:1), embedded corpus; start it from a Hugging Face folder
     with --checkpoint.initial_load_in_hf."""
-    graft = GraftConfig(kind="mone", layers="all", memory={"segment": 32},
-                        lora=dataclasses.replace(MONE_LORA, rank=8, alpha=8.0))
-    config = debug_recipe(FAMILY.model_spec("qwen3_debug", graft=graft), name="mone_debug")
-    config.optimizer = grouped_adamw([(LORA_PARAMETERS, 5e-4), (".*", 1e-2)])
-    return config
+    return mone_qwen3_debug(8, "mone_debug")
 
 
 # Task samples of 6 to 8 segments of 32 at seq_len 256 (MK-NIAH needs about 170 tokens).

@@ -1,6 +1,7 @@
 """Configs only the leaderboard (`python scripts/leaderboard.py`) trains: Mela's memory-off twin
 at debug and paper size (the same decoder and window, `memory_path=False`: every decoder chunk
-reads `memory_init`), and the cpu suite's from-scratch rows at equal non-embedding parameters."""
+reads `memory_init`), the cpu suite's from-scratch rows at equal non-embedding parameters and
+its graft rows at equal trainable parameters."""
 
 import dataclasses
 
@@ -10,6 +11,7 @@ from torchtitan_ext.families.mela import model_spec
 from torchtitan_ext.families.mlp_lm import model_spec as mlp_lm_spec
 from torchtitan_ext.families.titans import model_spec as titans_spec
 from torchtitan_ext.families.transformer import llama3_config, model_spec as transformer_spec, Shape
+from train_configs.backbone import memoryllama_debug, mone_qwen3_debug, qwen3_debug_lora
 from train_configs.mela import mela_400m, mela_debug
 from train_configs.recipe import debug_recipe
 
@@ -69,3 +71,31 @@ def titans_lmm_cpu() -> Trainer.Config:
 def mlp_lm_cpu() -> Trainer.Config:
     """MLP-FFN LM at dim 128, FFN 512, 10 layers."""
     return debug_recipe(mlp_lm_spec("debug", dim=128, ffn_dim=512, n_layers=10), name="mlp_lm_cpu")
+
+
+# The cpu suite's graft rows at equal trainable parameters (within 5%: tests/test_leaderboard.py):
+# grafted GradMem's 615,424 (its WRITE head, which has no rank to trim, is most of it; its
+# forward twin matches it in train_configs/gradmem.py), the others' LoRA rank raised to meet it,
+# alpha / rank kept; each row's debug config otherwise. LoRA on every block of qwen3_debug holds
+# 11,264 parameters per unit of rank, MoNe's (W_q, W_k, W_v) 3,584.
+EQUAL_TRAINABLE_RANKS = {"lora_only": 55, "memoryllama": 22, "mone": 115}
+
+
+def lora_only_cpu() -> Trainer.Config:
+    """The LoRA-only control, rank 55 on every block (619,520 trainable parameters)."""
+    return qwen3_debug_lora(EQUAL_TRAINABLE_RANKS["lora_only"], "lora_only_cpu")
+
+
+def memoryllama_alma_cpu() -> Trainer.Config:
+    """MemoryLlama ALMA, LoRA rank 22 (609,798 trainable parameters)."""
+    return memoryllama_debug("alma", EQUAL_TRAINABLE_RANKS["memoryllama"], "memoryllama_alma_cpu")
+
+
+def memoryllama_gema_cpu() -> Trainer.Config:
+    """MemoryLlama GeMA, LoRA rank 22 (609,798 trainable parameters)."""
+    return memoryllama_debug("gema", EQUAL_TRAINABLE_RANKS["memoryllama"], "memoryllama_gema_cpu")
+
+
+def mone_cpu() -> Trainer.Config:
+    """MoNe, LoRA rank 115 on W_q, W_k, W_v (617,120 trainable parameters)."""
+    return mone_qwen3_debug(EQUAL_TRAINABLE_RANKS["mone"], "mone_cpu")

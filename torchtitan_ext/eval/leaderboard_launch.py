@@ -78,26 +78,38 @@ def dry_run(chosen: Suite, rows: tuple[Row, ...], assets: str | None) -> str:
                               zero_shot])
 
 
-def non_embedding_params(row: Row) -> int:
-    """Parameters of a row's model outside its token embedding and output head (meta device)."""
+def built_model(row: Row) -> torch.nn.Module:
+    """A row's model as its config builds it, on the meta device (a graft's backbone frozen)."""
     from torchtitan_ext.training import cli
 
     spec = cli.parse(["--module", *row.config.split(":", 1)[:1], "--config", row.config.split(":", 1)[1]]).model_spec
     with torch.device("meta"):
-        model = spec.model.build()
+        return spec.model.build()
+
+
+def trainable_params(row: Row) -> int:
+    """Parameters a row's training updates (a graft: its LoRA, memory and heads)."""
+    return sum(p.numel() for p in built_model(row).parameters() if p.requires_grad)
+
+
+def non_embedding_params(row: Row) -> int:
+    """Parameters of a row's model outside its token embedding and output head (meta device)."""
+    model = built_model(row)
     return sum(p.numel() for name, p in model.named_parameters() if not name.startswith(EMBEDDING_NAMES)
                and not any(f".{e}" in name for e in EMBEDDING_NAMES))
 
 
 def estimate(chosen: Suite, rows: tuple[Row, ...]) -> str:
-    """Cells, training tokens per row and each scratch row's non-embedding parameters."""
-    scratch = [r for r in rows if r.kind == "scratch"]
-    params = {r.name: non_embedding_params(r) for r in scratch}
+    """Cells, training tokens per row, each scratch row's non-embedding parameters and each
+    trained graft's trainable parameters."""
+    params = {r.name: non_embedding_params(r) for r in rows if r.kind == "scratch"}
+    trained = {r.name: trainable_params(r) for r in rows if r.kind == "graft"}
     lines = [f"suite {chosen.name}: {len(rows)} rows x {len(chosen.seeds)} seeds = {len(rows) * len(chosen.seeds)} cells, "
              f"{chosen.training_tokens():,} training tokens per from-scratch row, perplexity to {chosen.ppl_lengths()[-1]} "
              f"tokens, recall at {[chosen.window * k for k in WINDOW_MULTIPLES]} tokens "
              f"(grafts: {[chosen.graft_window * k for k in WINDOW_MULTIPLES]})"]
     lines += [f"  {name}: {count:,} non-embedding parameters" for name, count in params.items()]
+    lines += [f"  {name}: {count:,} trainable parameters" for name, count in trained.items()]
     return "\n".join(lines)
 
 

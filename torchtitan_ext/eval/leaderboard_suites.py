@@ -80,18 +80,33 @@ CPU_SCRATCH = {"transformer_full": "train_configs.leaderboard:transformer_cpu",
                "mela": "train_configs.mela:mela_debug", "mela_memory_off": "train_configs.leaderboard:mela_debug_memory_off",
                "mlp_lm": "train_configs.leaderboard:mlp_lm_cpu"}
 BACKBONE_CONFIG = "train_configs.backbone:backbone_qwen3_pretrain"
-GRAFT_ROWS = (
-    Row("backbone_frozen", BACKBONE_CONFIG, "backbone", "sliding"),
-    Row("lora_only", "train_configs.backbone:backbone_qwen3_debug_lora", "graft", "sliding"),
-    Row("memoryllama_alma", "train_configs.backbone:memoryllama_alma_debug", "graft", "streaming"),
-    Row("memoryllama_gema", "train_configs.backbone:memoryllama_gema_debug", "graft", "streaming"),
-    Row("mone", "train_configs.backbone:mone_debug", "graft", "streaming"),
-    Row("gradmem", "train_configs.gradmem:gradmem_qwen3_debug_tasks", "graft", "write_read"),
-    Row("gradmem_forward", "train_configs.gradmem:gradmem_qwen3_debug_forward_tasks", "graft", "write_read"),
-    Row("locas_glu", BACKBONE_CONFIG, "test_time", "sliding", method="locas_glu"),
-    Row("templora", BACKBONE_CONFIG, "test_time", "sliding", method="templora"),
-)
-DEBUG_ROWS = scratch_rows(DEBUG_SCRATCH) + GRAFT_ROWS
+GRAFT_MODES = {"backbone_frozen": "sliding", "lora_only": "sliding", "memoryllama_alma": "streaming",
+               "memoryllama_gema": "streaming", "mone": "streaming", "gradmem": "write_read",
+               "gradmem_forward": "write_read"}
+
+
+def graft_rows(configs: dict[str, str]) -> tuple[Row, ...]:
+    """The frozen backbone, the trained grafts {row name: "module:function"} (GRAFT_MODES'
+    names but the backbone) and the test-time methods on the backbone."""
+    trained = tuple(Row(name, configs[name], "graft", mode) for name, mode in GRAFT_MODES.items()
+                    if name != "backbone_frozen")
+    return (Row("backbone_frozen", BACKBONE_CONFIG, "backbone", "sliding"), *trained,
+            Row("locas_glu", BACKBONE_CONFIG, "test_time", "sliding", method="locas_glu"),
+            Row("templora", BACKBONE_CONFIG, "test_time", "sliding", method="templora"))
+
+
+GRADMEM_GRAFTS = {"gradmem": "train_configs.gradmem:gradmem_qwen3_debug_tasks",
+                  "gradmem_forward": "train_configs.gradmem:gradmem_qwen3_debug_forward_tasks"}
+DEBUG_GRAFTS = {"lora_only": "train_configs.backbone:backbone_qwen3_debug_lora",
+                "memoryllama_alma": "train_configs.backbone:memoryllama_alma_debug",
+                "memoryllama_gema": "train_configs.backbone:memoryllama_gema_debug",
+                "mone": "train_configs.backbone:mone_debug", **GRADMEM_GRAFTS}
+# the cpu suite's: equal trainable parameters (train_configs/leaderboard.py)
+CPU_GRAFTS = {"lora_only": "train_configs.leaderboard:lora_only_cpu",
+              "memoryllama_alma": "train_configs.leaderboard:memoryllama_alma_cpu",
+              "memoryllama_gema": "train_configs.leaderboard:memoryllama_gema_cpu",
+              "mone": "train_configs.leaderboard:mone_cpu", **GRADMEM_GRAFTS}
+DEBUG_ROWS = scratch_rows(DEBUG_SCRATCH) + graft_rows(DEBUG_GRAFTS)
 # The paper suite: the 400M row of each from-scratch family (MLP-FFN LM: its one paper size),
 # FineWeb-Edu, 5B tokens. The grafts' paper configs start from Llama-3.2-1B's Hugging Face
 # folder (README "Grafting"), which preflight requires on disk, so they are no row of it.
@@ -154,7 +169,7 @@ SUITES = {
     "ci": Suite("ci", DEBUG_ROWS, seq_len=128, window=64, graft_window=64, steps=3, local_batch=2, seeds=(0,), ppl_docs=2,
                 recall_samples=1, backbone_steps=10, zero_shot_items=4, answer_tokens=4, overlap=True),
     # About 3 minutes a cell on 2 cores (51 cells): 123K training tokens a row.
-    "cpu": Suite("cpu", scratch_rows(CPU_SCRATCH) + GRAFT_ROWS, seq_len=128, window=64, graft_window=256, steps=60,
+    "cpu": Suite("cpu", scratch_rows(CPU_SCRATCH) + graft_rows(CPU_GRAFTS), seq_len=128, window=64, graft_window=256, steps=60,
                  local_batch=16,
                  seeds=(0, 1, 2), ppl_docs=4, recall_samples=5, backbone_steps=None, zero_shot_items=64),
     "paper": Suite("paper", tuple(r for r in DEBUG_ROWS if r.name in PAPER_CONFIGS), seq_len=4096, window=512, graft_window=0,
