@@ -273,13 +273,9 @@ if HAVE_TRITON:
         tl.store(ptr + rows[:, None] * row_stride + cols[None, :], value.to(ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _token_step_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, mix_ptr, s1_ptr, s2_ptr, y_ptr, n1_ptr, n2_ptr, C, D, N,
-                        DEPTH: tl.constexpr, RESIDUAL: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
-                        BN: tl.constexpr):
-        """One (batch, head): q, k, v (C, D), tw (C, 2), mix (2, 2), s1 (2, D, N), s2 (2, N, D)
-        (depth 2; N = hidden, N = D at depth 1) -> y (C, D), n1, n2 (the new stacked states)."""
-        pid = tl.program_id(0).to(tl.int64)
-        rc, rd, rn = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BN)
+    def _chunk_inputs(q_ptr, k_ptr, v_ptr, tw_ptr, mix_ptr, pid, rc, rd, C, D):
+        """Program `pid`'s (batch, head) chunk in fp32: q, k, v (C, D) tiles, the two token
+        weightings (C,) and the four mix entries m00, m01, m10, m11."""
         q = _tile(q_ptr + pid * C * D, rc, rd, C, D, D)
         k = _tile(k_ptr + pid * C * D, rc, rd, C, D, D)
         v = _tile(v_ptr + pid * C * D, rc, rd, C, D, D)
@@ -289,6 +285,17 @@ if HAVE_TRITON:
         m01 = tl.load(mix_ptr + pid * 4 + 1).to(tl.float32)
         m10 = tl.load(mix_ptr + pid * 4 + 2).to(tl.float32)
         m11 = tl.load(mix_ptr + pid * 4 + 3).to(tl.float32)
+        return q, k, v, tw0, tw1, m00, m01, m10, m11
+
+    @triton.jit
+    def _token_step_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, mix_ptr, s1_ptr, s2_ptr, y_ptr, n1_ptr, n2_ptr, C, D, N,
+                        DEPTH: tl.constexpr, RESIDUAL: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+                        BN: tl.constexpr):
+        """One (batch, head): q, k, v (C, D), tw (C, 2), mix (2, 2), s1 (2, D, N), s2 (2, N, D)
+        (depth 2; N = hidden, N = D at depth 1) -> y (C, D), n1, n2 (the new stacked states)."""
+        pid = tl.program_id(0).to(tl.int64)
+        rc, rd, rn = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BN)
+        q, k, v, tw0, tw1, m00, m01, m10, m11 = _chunk_inputs(q_ptr, k_ptr, v_ptr, tw_ptr, mix_ptr, pid, rc, rd, C, D)
         s1 = s1_ptr + pid * 2 * D * N
         w1 = _tile(s1, rd, rn, D, N, N)
         if DEPTH == 1:
@@ -337,16 +344,8 @@ if HAVE_TRITON:
         mix (2, 2), s1 (2, D, N), s2 (2, N, D), all written in fp32."""
         pid = tl.program_id(0).to(tl.int64)
         rc, rd, rn = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BN)
-        q = _tile(q_ptr + pid * C * D, rc, rd, C, D, D)
-        k = _tile(k_ptr + pid * C * D, rc, rd, C, D, D)
-        v = _tile(v_ptr + pid * C * D, rc, rd, C, D, D)
+        q, k, v, tw0, tw1, m00, m01, m10, m11 = _chunk_inputs(q_ptr, k_ptr, v_ptr, tw_ptr, mix_ptr, pid, rc, rd, C, D)
         dy = _tile(dy_ptr + pid * C * D, rc, rd, C, D, D)
-        tw0 = tl.load(tw_ptr + pid * C * 2 + rc * 2, mask=rc < C, other=0.0).to(tl.float32)
-        tw1 = tl.load(tw_ptr + pid * C * 2 + rc * 2 + 1, mask=rc < C, other=0.0).to(tl.float32)
-        m00 = tl.load(mix_ptr + pid * 4).to(tl.float32)
-        m01 = tl.load(mix_ptr + pid * 4 + 1).to(tl.float32)
-        m10 = tl.load(mix_ptr + pid * 4 + 2).to(tl.float32)
-        m11 = tl.load(mix_ptr + pid * 4 + 3).to(tl.float32)
         s1 = s1_ptr + pid * 2 * D * N
         w1 = _tile(s1, rd, rn, D, N, N)
         s1_old = _tile(s1 + D * N, rd, rn, D, N, N)
