@@ -288,6 +288,18 @@ if HAVE_TRITON:
         return q, k, v, tw0, tw1, m00, m01, m10, m11
 
     @triton.jit
+    def _weighted_sum_grads(x, delta, dg0, dg1, tw0, tw1):
+        """Backward of one layer's weighted gradient sums G[j] = sum_t tw[t, j] x_t delta_t^T
+        (x (C, in), delta (C, out), tw0 / tw1 (C,)) from their gradients dg0, dg1 (in, out):
+        (d delta (C, out), d tw0 (C,), d tw1 (C,), d x (C, in))."""
+        through0 = tl.dot(x, dg0, input_precision=FP32_DOT)
+        through1 = tl.dot(x, dg1, input_precision=FP32_DOT)
+        d_delta = tw0[:, None] * through0 + tw1[:, None] * through1
+        d_x = (tw0[:, None] * tl.dot(delta, tl.trans(dg0), input_precision=FP32_DOT)
+               + tw1[:, None] * tl.dot(delta, tl.trans(dg1), input_precision=FP32_DOT))
+        return d_delta, tl.sum(through0 * delta, axis=1), tl.sum(through1 * delta, axis=1), d_x
+
+    @triton.jit
     def _token_step_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, mix_ptr, s1_ptr, s2_ptr, y_ptr, n1_ptr, n2_ptr, C, D, N,
                         DEPTH: tl.constexpr, RESIDUAL: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
                         BN: tl.constexpr):
@@ -366,14 +378,7 @@ if HAVE_TRITON:
                 out_k += k
             delta = out_k - v
             # G_1[j] = sum_t tw[t, j] k_t delta_t^T
-            thr0 = tl.dot(k, dg1_0, input_precision=FP32_DOT)
-            thr1 = tl.dot(k, dg1_1, input_precision=FP32_DOT)
-            d_delta = tw0[:, None] * thr0 + tw1[:, None] * thr1
-            dtw0 = tl.sum(thr0 * delta, axis=1)
-            dtw1 = tl.sum(thr1 * delta, axis=1)
-            dk = (tw0[:, None] * tl.dot(delta, tl.trans(dg1_0), input_precision=FP32_DOT)
-                  + tw1[:, None] * tl.dot(delta, tl.trans(dg1_1), input_precision=FP32_DOT))
-            d_out_k = d_delta
+            d_out_k, dtw0, dtw1, dk = _weighted_sum_grads(k, delta, dg1_0, dg1_1, tw0, tw1)
             dw1 = (tl.dot(tl.trans(q), dy, input_precision=FP32_DOT)
                    + tl.dot(tl.trans(k), d_out_k, input_precision=FP32_DOT))
             dq = tl.dot(dy, tl.trans(w1), input_precision=FP32_DOT)
@@ -408,21 +413,11 @@ if HAVE_TRITON:
             err1 = tl.dot(delta2, tl.trans(w2), input_precision=FP32_DOT)
             delta1 = err1 * d1_k
             # G_2[j] = sum_t tw[t, j] act_k_t delta2_t^T
-            thr0 = tl.dot(act_k, dg2_0, input_precision=FP32_DOT)
-            thr1 = tl.dot(act_k, dg2_1, input_precision=FP32_DOT)
-            d_delta2 = tw0[:, None] * thr0 + tw1[:, None] * thr1
-            dtw0 = tl.sum(thr0 * delta2, axis=1)
-            dtw1 = tl.sum(thr1 * delta2, axis=1)
-            d_act_k = (tw0[:, None] * tl.dot(delta2, tl.trans(dg2_0), input_precision=FP32_DOT)
-                       + tw1[:, None] * tl.dot(delta2, tl.trans(dg2_1), input_precision=FP32_DOT))
+            d_delta2, dtw0, dtw1, d_act_k = _weighted_sum_grads(act_k, delta2, dg2_0, dg2_1, tw0, tw1)
             # G_1[j] = sum_t tw[t, j] k_t delta1_t^T
-            thk0 = tl.dot(k, dg1_0, input_precision=FP32_DOT)
-            thk1 = tl.dot(k, dg1_1, input_precision=FP32_DOT)
-            d_delta1 = tw0[:, None] * thk0 + tw1[:, None] * thk1
-            dtw0 += tl.sum(thk0 * delta1, axis=1)
-            dtw1 += tl.sum(thk1 * delta1, axis=1)
-            dk = (tw0[:, None] * tl.dot(delta1, tl.trans(dg1_0), input_precision=FP32_DOT)
-                  + tw1[:, None] * tl.dot(delta1, tl.trans(dg1_1), input_precision=FP32_DOT))
+            d_delta1, dtw0_1, dtw1_1, dk = _weighted_sum_grads(k, delta1, dg1_0, dg1_1, tw0, tw1)
+            dtw0 += dtw0_1
+            dtw1 += dtw1_1
             # delta1 = err1 silu'(pre_k), err1 = delta2 W_2^T
             d_err1 = d_delta1 * d1_k
             d_pre_k = d_delta1 * err1 * d2_k
