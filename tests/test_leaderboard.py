@@ -208,6 +208,18 @@ def test_the_cpu_suites_scratch_rows_have_equal_non_embedding_parameters_within_
     assert high <= 1.05 * low, counts
 
 
+def test_without_lm_eval_the_zero_shot_column_is_skipped_with_one_line_naming_the_fix(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    assert not leaderboard_cells.zero_shot_available(SUITES["ci"])
+    assert capsys.readouterr().err.strip() == ("warning: zero-shot column skipped: lm_eval is not installed "
+                                               "(EXTRAS=eval bash scripts/setup.sh); a later run fills it in")
+    monkeypatch.undo()
+    assert leaderboard_cells.zero_shot_available(SUITES["ci"]) and not leaderboard_cells.zero_shot_available(SUITES["paper"])
+
+
 def test_the_cpu_suites_grafts_train_as_many_parameters_within_5_percent():
     """Every trained graft of the cpu suite (its LoRA, memory, heads), the LoRA-only control too;
     the ci suite's debug configs do not (rank 8 everywhere), so the check can fail."""

@@ -336,15 +336,30 @@ def export_folder(row: Row, chosen: Suite, seed: int, out: Path, hf: Path | None
     return folder
 
 
+def zero_shot_available(chosen: Suite) -> bool:
+    """Whether this run scores the suite's zero-shot column: it has the task and lm_eval is
+    installed (else one warning line naming the fix; the cells get no zero-shot entry, which a
+    later run with lm_eval fills in)."""
+    import importlib.util
+
+    if not chosen.zero_shot_items:
+        return False
+    if importlib.util.find_spec("lm_eval") is None:
+        print("warning: zero-shot column skipped: lm_eval is not installed (EXTRAS=eval bash scripts/setup.sh); "
+              "a later run fills it in", file=sys.stderr)
+        return False
+    return True
+
+
 def zero_shot_cell(row: Row, chosen: Suite, seed: int, out: Path, hf: Path | None) -> dict | None:
     """{task: [lm-eval acc of each question, by doc id]} of a cell's export on the suite's
     local zero-shot task (torchtitan_ext/eval/zero_shot.py: heldout_cloze, `zero_shot_items`
-    questions written once into out/zero_shot_task), float32; None for a suite without the
-    task, a test-time method, and a write_read row (GradMem reads only from a memory its
+    questions written once into out/zero_shot_task), float32; None for a test-time method and
+    a write_read row (GradMem reads only from a memory its
     context was written into, and lm-eval scores a causal forward of context + ending)."""
     from torchtitan_ext.eval.zero_shot import CLOZE_TASK, run_lm_eval, write_cloze_task
 
-    if not chosen.zero_shot_items or row.mode == "write_read" or row.kind == "test_time":
+    if row.mode == "write_read" or row.kind == "test_time":
         return None
     folder = export_folder(row, chosen, seed, out, hf)
     tasks = out / "zero_shot_task"
@@ -373,8 +388,9 @@ def run_cells(rows: tuple[Row, ...], chosen: Suite, out: Path) -> dict:
 
     cells = [(row, seed) for row in rows for seed in chosen.seeds]
     pending = [(row, seed) for row, seed in cells if not cell_path(out, row, seed).is_file()]
-    no_zero_shot = [(row, seed) for row, seed in cells
-                    if (row, seed) not in pending and "zero_shot" not in json.loads(cell_path(out, row, seed).read_text())]
+    zero_shot = zero_shot_available(chosen)
+    no_zero_shot = [(row, seed) for row, seed in cells if zero_shot and (row, seed) not in pending
+                    and "zero_shot" not in json.loads(cell_path(out, row, seed).read_text())]
     needs_backbone = any(row.kind != "scratch" for row, _ in pending + no_zero_shot)
     hf = backbone_folder(out / "backbone", chosen) if needs_backbone else None
     first = {row.name: (row, seed) for row, seed in reversed(pending) if row.kind in ("scratch", "graft")}
@@ -391,7 +407,9 @@ def run_cells(rows: tuple[Row, ...], chosen: Suite, out: Path) -> dict:
                 trained.append(trainer.submit(train_cell, queued_row, chosen, queued_seed, out, hf))
             cost = trained[index].result()
             started = time.time()
-            result = {**evaluate_cell(row, chosen, seed, out, hf), "zero_shot": zero_shot_cell(row, chosen, seed, out, hf)}
+            result = evaluate_cell(row, chosen, seed, out, hf)
+            if zero_shot:
+                result["zero_shot"] = zero_shot_cell(row, chosen, seed, out, hf)
             write_json(cell_path(out, row, seed), {"row": row.name, "seed": seed, "mode": row.mode, "window": chosen.window_of(row),
                                                    "eval_seconds": time.time() - started, **result, "train": cost})
     finally:
