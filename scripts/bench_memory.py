@@ -11,8 +11,9 @@ speed: forward + backward of one memory layer, B=4, T=2048, dim 256, 4 heads of 
 bytes: bytes a forward leaves allocated for backward (net allocations recorded by the
     profiler, the output excepted) per token of one memory layer at the 170m / 400m / 760m shapes (chunk 64),
     measured on CPU in fp32 at B=1, T=1024 and extrapolated linearly to the paper's B=8,
-    T=4096 per layer and for all layers; with `checkpoint_chunks` (recompute groups of G
-    chunks in backward) and its time cost at the speed configuration.
+    T=4096 per layer and for all layers; without recompute, with `checkpoint_chunks` (recompute
+    groups of G chunks in backward) and with the fused chunk step (`kernel_backend="fused_torch"`:
+    each step recomputed inside its own backward), and their time cost at the speed configuration.
 ops: aten ops dispatched per chunk step (forward, backward), eager and compiled, taken as
     the difference between 16 and 8 chunks (per-call work cancels out). On a GPU each is
     a kernel launch.
@@ -137,6 +138,13 @@ def saved_bytes_per_token(flavor: str, length: int = FLAVOR_LENGTH, **options) -
     return saved_bytes(NeuralMemory(cfg), 1, length) / length
 
 
+# what backward recomputes: nothing ("none"), groups of 4 chunks (`checkpoint_chunks`), or each
+# chunk step inside its fused backward (kernels/token_step.py's torch reference, which keeps
+# only the step's inputs; the Triton kernels keep the same)
+RECOMPUTE = {"none": {"checkpoint_chunks": 0}, "G=4": {"checkpoint_chunks": 4},
+             "fused": {"checkpoint_chunks": 0, "kernel_backend": "fused_torch"}}
+
+
 def bytes_report(repeats: int, flavor_length: int = FLAVOR_LENGTH, length: int = T) -> None:
     tokens = 8 * 4096
     print(f"bytes kept for backward per token per memory layer (fp32, chunk 64, measured at B=1 T={flavor_length}; "
@@ -144,16 +152,15 @@ def bytes_report(repeats: int, flavor_length: int = FLAVOR_LENGTH, length: int =
     print(f"{'flavor':>6} {'recompute':>10} {'bytes/token':>12} {'per layer GiB':>14} {'all layers GiB':>15}")
     for flavor in ("170m", "400m", "760m"):
         _, layers = flavor_memory_config(flavor)
-        for group in (0, 4):
-            per_token = saved_bytes_per_token(flavor, flavor_length, checkpoint_chunks=group)
-            label = f"G={group}" if group else "none"
+        for label, options in RECOMPUTE.items():
+            per_token = saved_bytes_per_token(flavor, flavor_length, **options)
             print(f"{flavor:>6} {label:>10} {per_token:>12,.0f} {per_token * tokens / 2**30:>14.2f} "
                   f"{per_token * tokens * layers / 2**30:>15.1f}")
     print(f"recompute cost at the speed configuration (B={B} T={length}, chunk 64, eager fwd+bwd):")
-    for group in (0, 4, 8):
-        memory = NeuralMemory(bench_config(64, checkpoint_chunks=group))
+    for label, options in {**RECOMPUTE, "G=8": {"checkpoint_chunks": 8}}.items():
+        memory = NeuralMemory(bench_config(64, **options))
         kept = saved_bytes(memory, B, length) / (B * length)
-        print(f"  checkpoint_chunks={group}: {seconds(forward_backward(memory, length=length), repeats):.3f} s, "
+        print(f"  {label}: {seconds(forward_backward(memory, length=length), repeats):.3f} s, "
               f"{kept:,.0f} bytes/token")
 
 
