@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> None:
             return
         if args.out is None:
             raise UserError("--out DIR is needed to run a suite")
-        check_out(args.out, chosen.name)
-        leaderboard_cells.write_json(args.out / "suite.json", {"suite": chosen.name})
-        counts = leaderboard_cells.run_cells(rows, chosen, args.out)
-        leaderboard.report(args.out, chosen)
+        out = args.out.resolve()  # torchtitan takes absolute checkpoint paths (the grafts' initial load)
+        check_out(out, chosen.name)
+        leaderboard_cells.write_json(out / "suite.json", {"suite": chosen.name})
+        counts = leaderboard_cells.run_cells(rows, chosen, out)
+        leaderboard.report(out, chosen)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

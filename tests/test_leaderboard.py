@@ -208,6 +208,20 @@ def test_the_cpu_suites_scratch_rows_have_equal_non_embedding_parameters_within_
     assert high <= 1.05 * low, counts
 
 
+def test_a_relative_out_folder_reaches_the_cells_absolute(monkeypatch, tmp_path):
+    """The grafts' initial load from out/backbone/hf must be absolute for torchtitan."""
+    from conftest import load_script
+
+    script = load_script("leaderboard")
+    seen = []
+    monkeypatch.setattr(script.leaderboard_cells, "run_cells",
+                        lambda rows, chosen, out: seen.append(out) or {"run": 0, "skipped": 0})
+    monkeypatch.setattr(script.leaderboard, "report", lambda out, chosen: None)
+    monkeypatch.chdir(tmp_path)
+    script.main(["--suite", "ci", "--rows", "lora_only", "--out", "relative"])
+    assert seen == [tmp_path / "relative"] and (tmp_path / "relative" / "suite.json").is_file()
+
+
 def test_without_lm_eval_the_zero_shot_column_is_skipped_with_one_line_naming_the_fix(monkeypatch, capsys):
     import importlib.util
 
