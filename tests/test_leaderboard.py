@@ -234,6 +234,18 @@ def test_without_lm_eval_the_zero_shot_column_is_skipped_with_one_line_naming_th
     assert leaderboard_cells.zero_shot_available(SUITES["ci"]) and not leaderboard_cells.zero_shot_available(SUITES["paper"])
 
 
+def test_every_trained_row_of_the_cpu_suite_has_a_hugging_face_form_for_its_zero_shot_export():
+    """`hf_form` (the export's config and adapter) resolves each row's own sizes; a row whose
+    flavor the family does not know (the cpu Transformer++ once) fails here, not after training."""
+    from torchtitan_ext.hf_export import export_family, hf_form
+    from torchtitan_ext.training import cli
+
+    for row in SUITES["cpu"].rows:
+        if row.kind in ("scratch", "graft"):
+            spec = cli.parse(["--module", *row.config.split(":", 1)[:1], "--config", row.config.split(":", 1)[1]]).model_spec
+            hf_form(export_family(spec.name), spec, built_model(row))
+
+
 def test_the_cpu_suites_grafts_train_as_many_parameters_within_5_percent():
     """Every trained graft of the cpu suite (its LoRA, memory, heads), the LoRA-only control too;
     the ci suite's debug configs do not (rank 8 everywhere), so the check can fail."""

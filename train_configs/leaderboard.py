@@ -3,14 +3,12 @@ at debug and paper size (the same decoder and window, `memory_path=False`: every
 reads `memory_init`), the cpu suite's from-scratch rows at equal non-embedding parameters and
 its graft rows at equal trainable parameters."""
 
-import dataclasses
-
 from torchtitan.trainer import Trainer
 
 from torchtitan_ext.families.mela import model_spec
 from torchtitan_ext.families.mlp_lm import model_spec as mlp_lm_spec
 from torchtitan_ext.families.titans import model_spec as titans_spec
-from torchtitan_ext.families.transformer import llama3_config, model_spec as transformer_spec, Shape
+from torchtitan_ext.families.transformer import model_spec as transformer_spec
 from train_configs.backbone import memoryllama_debug, mone_qwen3_debug, qwen3_debug_lora
 from train_configs.mela import mela_400m, mela_debug
 from train_configs.recipe import debug_recipe
@@ -37,9 +35,7 @@ def mela_400m_memory_off() -> Trainer.Config:
 # larger or smaller; the recipe is each family's debug one.
 def transformer_cpu() -> Trainer.Config:
     """Transformer++ at dim 128, 10 layers (1.97M non-embedding parameters)."""
-    shape = Shape(dim=128, n_layers=10, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=4096)
-    spec = dataclasses.replace(transformer_spec("small"), flavor="leaderboard_cpu", model=llama3_config(shape))
-    return debug_recipe(spec, name="transformer_cpu")
+    return debug_recipe(transformer_spec("leaderboard_cpu"), name="transformer_cpu")
 
 
 def _titans_cpu(variant: str, n_layers: int) -> Trainer.Config:

@@ -43,6 +43,8 @@ class Shape:
 FLAVORS = {
     "debug": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, vocab_size=4096),
     "small": dict(dim=128, n_layers=7, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=4096),
+    # the leaderboard cpu suite's row, at the memory rows' non-embedding parameters (train_configs/leaderboard.py)
+    "leaderboard_cpu": dict(dim=128, n_layers=10, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=4096),
     "400m": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=3520),
     "800m": dict(dim=1536, n_layers=27, n_heads=16, n_kv_heads=8, ffn_hidden=4096),
     "1b2": dict(dim=2048, n_layers=22, n_heads=16, n_kv_heads=8, ffn_hidden=5888),
