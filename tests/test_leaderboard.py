@@ -243,7 +243,13 @@ def test_every_trained_row_of_the_cpu_suite_has_a_hugging_face_form_for_its_zero
     for row in SUITES["cpu"].rows:
         if row.kind in ("scratch", "graft"):
             spec = cli.parse(["--module", *row.config.split(":", 1)[:1], "--config", row.config.split(":", 1)[1]]).model_spec
-            hf_form(export_family(spec.name), spec, built_model(row))
+            model = built_model(row)
+            config, adapter = hf_form(export_family(spec.name), spec, model)
+            assert adapter is not None, row.name
+            if config is not None:  # a plain transformers class: the row's own depth and width
+                layers = getattr(model, "layers", None)
+                assert config.num_hidden_layers == len(layers), row.name
+                assert config.hidden_size == model.tok_embeddings.weight.shape[1], row.name
 
 
 def test_the_cpu_suites_grafts_train_as_many_parameters_within_5_percent():

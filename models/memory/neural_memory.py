@@ -112,7 +112,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import bounded_compile
 from kernels import memory_update as kernel_memory_update
-from kernels import (FUSED_TOKEN_STEP_BACKENDS, TOKEN_STEP_BACKENDS, token_chunk_step, token_step_backend,
+from kernels import (FUSED_TOKEN_STEP_BACKENDS, token_chunk_step, token_step_backend,
                      token_step_refusal)
 
 GATE_RULES = ("token", "chunk")
@@ -359,8 +359,7 @@ def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule
     decays_c (B, H, 2, 2) or (B, H, 2): the chunk's slice of `chunk_gates`. Reading before
     the write, queries and keys go through M together (one matmul per layer). Returns
     (y_c, new state, surprise sums clipped (0-dim; None without a bound))."""
-    fused = token_step_backend(rule.backend, state[0]) if rule.gates == "token" and rule.backend in TOKEN_STEP_BACKENDS \
-        else None
+    fused = rule.backend if rule.gates == "token" else None  # "auto" resolved once per call (`chunked_memory`)
     if fused in FUSED_TOKEN_STEP_BACKENDS:  # kernels/token_step.py (UpdateRule)
         refusal = "read_after_write" if rule.read_after_write else "max_update_norm > 0" if rule.max_update_norm else \
             token_step_refusal(fused, state, q_c, k_c, v_c, token_weights_c, decays_c)
@@ -446,6 +445,8 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
                          f"chunk_size {chunk}")
     chunks = full // chunk
     stacked = tuple(torch.stack(pair, 2) for pair in zip(state.weights, state.momentum))  # (B, H, 2, in, out)
+    if rule.gates == "token" and rule.backend == "auto":  # once per call, not per chunk
+        rule = rule._replace(backend=token_step_backend("auto", stacked[0]))
     step = compiled_chunk_step() if compiled else chunk_step
     group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else max(chunks, 1)
     # groups of G chunks as views (split: one concatenation of their gradients in backward)
