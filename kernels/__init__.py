@@ -36,7 +36,7 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from kernels.auto_table import AUTO_TABLE, DEVICE_DEFAULTS, MANY_MATRICES, MAX_COLS, MAX_ROWS
 from kernels.reference import MUON_COEFFICIENTS, memory_update_reference, newton_schulz_reference
-from kernels.token_step import token_step_fused_torch, token_step_torch, token_step_triton, triton_refusal
+from kernels.token_step import full_precision, token_step_fused_torch, token_step_torch, token_step_triton, triton_refusal
 
 BACKENDS = ("auto", "triton", "triton_blocked", "torch", "compiled")  # newton_schulz
 MEMORY_UPDATE_BACKENDS = tuple(b for b in BACKENDS if b != "triton_blocked")

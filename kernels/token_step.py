@@ -41,16 +41,18 @@ Three implementations, held equal by tests/test_token_kernel.py:
   gradients of q, k, v, token_weights, mix and the state in one launch. fp32 state; q, k, v,
   token_weights fp32 or bf16 (loaded into fp32); fp32 dots in 3xTF32. Limits (`triton_refusal`):
   depth 1 or 2, head_dim <= MAX_HEAD_DIM (64), hidden width <= MAX_HIDDEN (256), chunk <=
-  MAX_CHUNK (64), a CUDA device or TRITON_INTERPRET=1. Anything else is refused with a
+  MAX_CHUNK (64), their padded product <= MAX_TILE_VOLUME (shared memory: head_dim 64 and
+  hidden 256 take chunks up to 32), a CUDA device or TRITON_INTERPRET=1. Anything else is refused with a
   ValueError naming the reason, so the caller (`kernels.token_chunk_step`, `chunk_step`)
-  can fall back to the torch path. Not yet timed on a GPU: the tiles of the largest
-  configuration (four 64 x 256 fp32 matrices per program) exceed the register file and
-  spill; no auto-table entry selects this kernel.
+  can fall back to the torch path. Checked on one H100 (gpu_check `kernels`, docs/benchmarks.md)
+  at head_dim 64, hidden 256, chunk 16 and 32 and the smaller shapes; its timing there was
+  not clean, so no auto-table entry selects this kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -65,6 +67,12 @@ except ImportError:  # the torch paths need no triton
     HAVE_TRITON = False
 
 MAX_HEAD_DIM, MAX_HIDDEN, MAX_CHUNK = 64, 256, 64  # the Triton kernels' largest whole tiles
+# ... and their largest product of the three padded tiles (head_dim x hidden x chunk): the
+# shared memory the kernels ask for grows with it. Measured on an H100 (227 KiB per block,
+# Triton 3.6, 2026-11-25): head_dim 64, hidden 256 at chunk 16 needs 98,304 B forward /
+# 131,072 B backward, at chunk 32 131,072 / 196,608 B, at chunk 64 266,240 B forward (does not
+# launch); (64, 128, 64) and (32, 256, 64) ran. So at most 64 x 256 x 32 = 2^19.
+MAX_TILE_VOLUME = 64 * 256 * 32
 FP32_DOT_PRECISION = "tf32x3"  # as kernels/triton_kernels.py: about fp32 accuracy on tensor cores
 
 
@@ -72,10 +80,17 @@ FP32_DOT_PRECISION = "tf32x3"  # as kernels/triton_kernels.py: about fp32 accura
 # torch reference
 
 
-def _no_autocast(device: torch.device):
-    """Autocast off on `device`: the step runs in the state's dtype under any autocast (a
-    lower-precision autocast would otherwise run the mix, hence the new state, in bf16)."""
-    if torch.amp.is_autocast_available(device.type):
+# The device types that have autocast, looked up once at import: torch 2.11's dynamo cannot
+# trace torch.amp.is_autocast_available (it broke the graph there, and the compiled Titans and
+# Mela models failed on an H100 image with torch 2.11; docs/benchmarks.md).
+AUTOCAST_DEVICE_TYPES = frozenset(t for t in ("cpu", "cuda", "xpu", "mps", "hpu") if torch.amp.is_autocast_available(t))
+
+
+def full_precision(device: torch.device):
+    """Autocast off on `device` (a no-op where autocast does not exist, e.g. meta): code under it
+    runs in its tensors' own dtype under any autocast (a lower-precision autocast would otherwise
+    run a fast-weight update, hence the new state, in bf16)."""
+    if device.type in AUTOCAST_DEVICE_TYPES:
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 
@@ -125,7 +140,7 @@ def _mix(state, mix, grads):
 
 def token_step_torch(state, q, k, v, token_weights, mix, residual: bool = False):
     """The fused step's forward in plain torch, differentiated by autograd (module docstring)."""
-    with _no_autocast(q.device):
+    with full_precision(q.device):
         q, k, v, token_weights, mix = _cast_inputs(state, q, k, v, token_weights, mix)
         y, grads, _ = _forward([s[:, :, 0] for s in state], q, k, v, token_weights, residual)
         return y, _mix(state, mix, grads)
@@ -198,7 +213,7 @@ class FusedTokenStep(torch.autograd.Function):
     def forward(ctx, q, k, v, token_weights, mix, residual, *state):
         ctx.residual = residual
         ctx.save_for_backward(q, k, v, token_weights, mix, *state)
-        with _no_autocast(q.device):
+        with full_precision(q.device):
             cast = _cast_inputs(state, q, k, v, token_weights, mix)
             y, grads, _ = _forward([s[:, :, 0] for s in state], *cast[:4], residual)
             return (y, *_mix(state, cast[4], grads))
@@ -206,7 +221,7 @@ class FusedTokenStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *dnew):
         q, k, v, tw, mix, *state = ctx.saved_tensors
-        with _no_autocast(q.device):
+        with full_precision(q.device):
             cast = _cast_inputs(state, q, k, v, tw, mix)
             d_q, d_k, d_v, d_tw, d_mix, d_state = _backward(state, *cast, ctx.residual, dy.to(state[0].dtype),
                                                               [d.to(state[0].dtype) for d in dnew])
@@ -246,6 +261,10 @@ def triton_refusal(state, q, k=None, v=None, token_weights=None, mix=None) -> st
     if dim > MAX_HEAD_DIM or hidden > MAX_HIDDEN or chunk > MAX_CHUNK:
         return (f"head_dim {dim}, hidden {hidden}, chunk {chunk}: the Triton kernels take head_dim <= {MAX_HEAD_DIM}, "
                 f"hidden <= {MAX_HIDDEN}, chunk <= {MAX_CHUNK}")
+    volume = math.prod(max(16, 1 << (n - 1).bit_length()) for n in (dim, hidden, chunk))  # as `_geometry` pads
+    if volume > MAX_TILE_VOLUME:
+        return (f"head_dim {dim} x hidden {hidden} x chunk {chunk} (padded {volume:,}): the Triton kernels' tiles "
+                f"would need more shared memory than an H100 block has (at most {MAX_TILE_VOLUME:,}: lower the chunk)")
     expected = [(batch, heads, 2, dim, hidden)] + ([(batch, heads, 2, hidden, dim)] if len(state) == 2 else [])
     if len(state) == 1 and hidden != dim:
         return f"depth 1 needs a square weight, got {tuple(state[0].shape[-2:])}"

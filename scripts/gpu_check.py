@@ -9,10 +9,12 @@ Checks (each prints one PASS/FAIL line with its measured figure; exit 1 if any f
               max |logit|).
   attention   flex-attention block masks (CUDA path of models/layers/attention.py) vs dense SDPA with
               the same mask (Titans' sliding-window and MAC masks, document masks): 1e-3 rel.
-  kernels     Triton Newton-Schulz (per matrix, blocked) and the fused memory update vs the
-              torch references, fp32 (1e-3 rel) and bf16 (3e-2 rel); then every backend timed
-              (forward + backward, fp32) at one shape per class of kernels/auto_table.py, and
-              the table "auto" would read printed as Python, to paste there.
+  kernels     Triton Newton-Schulz (per matrix, blocked), the fused memory update and the
+              fused per-token chunk step (output, new state and every input's gradient) vs
+              the torch references, fp32 (1e-3 rel) and bf16 (3e-2 rel); then every backend
+              timed (forward + backward, fp32) at one shape per class of kernels/auto_table.py
+              (the token step at chunks 16 and 32, summed), and the table "auto" would read
+              printed as Python, to paste there.
   drift       the Titans MAC debug model in bf16 (fast weights stay fp32) vs fp32: logits
               within 5e-2 relative.
   train       20 steps of each debug config through scripts/train.sh: the loss falls.
@@ -178,7 +180,64 @@ def check_kernels(device: str) -> list[Result]:
         want = memory_update(weight, momentum, grad, eta, alpha, 5, backend="torch")
         results += [compare(f"memory_update triton {part} {str(dtype)[6:]}", a, b, tolerance)
                     for part, a, b in zip(("weight", "momentum"), got, want)]
+        results += check_token_step(device, dtype, tolerance)
     return results + check_auto_table(device)
+
+
+def token_step_inputs(batch: tuple[int, int], dim: int, hidden: int, chunk: int, device: str,
+                      dtype=torch.float32, seed: int = 5):
+    """(state, q, k, v, token_weights, mix) of one depth-2 per-token chunk step
+    (`kernels.token_chunk_step`): fp32 state [M; S] of W_1 (dim, hidden) and W_2 (hidden, dim)
+    per (batch, head); q, k, v, token_weights in `dtype`; each a leaf that takes a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    state = tuple((torch.randn(*batch, 2, rows, cols, generator=g) * rows ** -0.5).to(device)
+                  for rows, cols in ((dim, hidden), (hidden, dim)))
+    q, k, v = (torch.randn(*batch, chunk, dim, generator=g).to(device, dtype) for _ in range(3))
+    token_weights = (0.01 * torch.rand(*batch, chunk, 2, generator=g)).to(device, dtype)
+    mix = torch.rand(*batch, 2, 2, generator=g).to(device)
+    return tuple(x.requires_grad_() for x in (*state, q, k, v, token_weights, mix))
+
+
+def token_step_output_weights(inputs: tuple) -> list[torch.Tensor]:
+    """Fixed random weights of the step's outputs (y, new W1, new W2: the shapes of q and the
+    state), drawn once so that the timed step draws nothing."""
+    s1, s2, q = inputs[:3]
+    g = torch.Generator().manual_seed(6)
+    return [torch.randn(x.shape, generator=g).to(x.device) for x in (q, s1, s2)]
+
+
+def token_step_outputs(backend: str, inputs: tuple, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The step's output, new state and every input's gradient under the outputs' weighting
+    `weights` (`token_step_output_weights`: each gradient depends on every output)."""
+    from kernels import token_chunk_step
+
+    s1, s2, q, k, v, token_weights, mix = inputs
+    y, new = token_chunk_step((s1, s2), q, k, v, token_weights, mix, backend=backend)
+    outputs = [y, *new]
+    loss = sum((o.float() * w).sum() for o, w in zip(outputs, weights))
+    grads = torch.autograd.grad(loss, inputs)
+    return [o.detach() for o in outputs] + list(grads)
+
+
+TOKEN_STEP_PARTS = ("y", "new W1", "new W2", "grad W1", "grad W2", "grad q", "grad k", "grad v",
+                    "grad token_weights", "grad mix")
+
+
+def check_token_step(device: str, dtype: torch.dtype, tolerance: float) -> list[Result]:
+    """The Triton per-token chunk step vs the torch reference (autograd through the plain
+    forward) at head_dim 64, hidden 256, TOKEN_STEP_CHUNKS: one result per output and gradient."""
+    results = []
+    for chunk in TOKEN_STEP_CHUNKS:
+        inputs = token_step_inputs((2, 4), 64, 256, chunk, device, dtype)
+        name, weights = f"token_step triton C{chunk} {str(dtype)[6:]}", token_step_output_weights(inputs)
+        try:
+            got = token_step_outputs("triton", inputs, weights)
+        except Exception as e:  # a kernel that does not build here (e.g. out of shared memory) is a FAIL line
+            results.append(Result(name, False, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+            continue
+        want = token_step_outputs("torch", inputs, weights)
+        results += [compare(f"{name} {part}", a, b, tolerance) for part, a, b in zip(TOKEN_STEP_PARTS, got, want)]
+    return results
 
 
 # ---- the auto table (kernels/auto_table.py) --------------------------------------------
@@ -189,13 +248,20 @@ MARGIN = 0.05  # a backend replaces the device's default only when faster by mor
 TABLE_SHAPES = {"tile-few": ((4, 4), ((64, 256), (256, 64))), "tile-many": ((16, 16), ((64, 256), (256, 64))),
                 "large-few": ((4, 4), ((256, 1024), (1024, 256))),
                 "large-many": ((16, 16), ((256, 1024), (1024, 256)))}
+# the per-token chunk step is timed at (head_dim, hidden) = the class's first matrix shape, per
+# (batch, head) of the class's batch (its state's class: (batch, heads, 2, head_dim, hidden)),
+# at these chunk sizes, summed (a backend that cannot take one of them is left out): the
+# Triton kernel's largest chunk at head_dim 64, hidden 256 is 32 (kernels/token_step.py)
+TOKEN_STEP_CHUNKS = (16, 32)
 
 
 def time_backends(device: str, backends: tuple[str, ...], shapes: dict = TABLE_SHAPES, repeats: int = 10):
     """{(op, shape class): {backend: ms}}: median milliseconds of one forward + backward, fp32,
-    5 Newton-Schulz steps, summed over the class's matrix shapes; a backend that cannot take
-    the class (`kernels.can_run`) is left out."""
-    from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, can_run, memory_update, newton_schulz
+    5 Newton-Schulz steps, summed over the class's matrix shapes (the per-token chunk step:
+    over TOKEN_STEP_CHUNKS); a backend that cannot take the class (`kernels.can_run`,
+    `kernels.token_step_refusal`) or the op is left out."""
+    from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, TOKEN_STEP_BACKENDS, can_run, memory_update, newton_schulz
+    from kernels import token_step_refusal
 
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
@@ -230,6 +296,20 @@ def time_backends(device: str, backends: tuple[str, ...], shapes: dict = TABLE_S
                     if can_run(backend, s, choices):
                         row[backend] = row.get(backend, 0.0) + ms(lambda b=backend: step(b))
             timings[op, cls] = row
+        row, (dim, hidden), failed = {}, matrix_shapes[0], set()
+        timed = {backend: 0 for backend in backends}
+        for chunk in TOKEN_STEP_CHUNKS:
+            inputs = token_step_inputs(batch, dim, hidden, chunk, device)
+            weights = token_step_output_weights(inputs)
+            for backend in (b for b in backends if b in TOKEN_STEP_BACKENDS):
+                if token_step_refusal(backend, inputs[:2], *inputs[2:]) is None and backend not in failed:
+                    try:
+                        row[backend] = row.get(backend, 0.0) + ms(lambda b=backend, x=inputs, w=weights: token_step_outputs(b, x, w))
+                        timed[backend] += 1
+                    except Exception as e:  # left out of the table, said why
+                        print(f"token_step {backend} {cls} C{chunk}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                        failed.add(backend)
+        timings["token_step", cls] = {b: t for b, t in row.items() if timed[b] == len(TOKEN_STEP_CHUNKS)}
     return timings
 
 
@@ -258,7 +338,7 @@ def check_auto_table(device: str) -> list[Result]:
     """Times the backends (`time_backends`) and prints the table "auto" would read; one
     result per (op, class) with its timings (fails only if timing fails)."""
     kind = torch.device(device).type
-    backends = ("torch", "compiled") + (("triton", "triton_blocked") if kind == "cuda" else ())
+    backends = ("torch", "compiled", "fused_torch") + (("triton", "triton_blocked") if kind == "cuda" else ())
     timings = time_backends(device, backends)
     name = torch.cuda.get_device_name(device) if kind == "cuda" else kind
     print(auto_table_source(kind, timings, f"{name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"))

@@ -101,10 +101,29 @@ def test_the_printed_table_is_the_python_auto_reads_and_picks_the_measured_faste
     assert _resolve("newton_schulz", "auto", cuda_stand_in((2, 2, 1024, 256)), BACKENDS) == "torch"
 
 
-def test_timing_runs_each_backend_per_op_and_class_on_the_cpu():
-    timings = gpu_check.time_backends("cpu", ("torch", "triton"), {"tile-few": ((1, 2), ((4, 8), (8, 4)))}, repeats=1)
-    assert set(timings) == {("newton_schulz", "tile-few"), ("memory_update", "tile-few")}
-    assert all(list(row) == ["torch"] and row["torch"] > 0 for row in timings.values())  # Triton needs CUDA
+def test_timing_runs_each_backend_per_op_and_class_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a CPU machine outside the tests
+    timings = gpu_check.time_backends("cpu", ("torch", "fused_torch", "triton"), {"tile-few": ((1, 2), ((4, 8), (8, 4)))},
+                                      repeats=1)
+    assert set(timings) == {("newton_schulz", "tile-few"), ("memory_update", "tile-few"), ("token_step", "tile-few")}
+    # Triton needs CUDA; fused_torch is a backend of the token step only
+    assert all(list(row) == ["torch"] and row["torch"] > 0 for op, row in timings.items() if op[0] != "token_step")
+    assert sorted(timings["token_step", "tile-few"]) == ["fused_torch", "torch"]
+
+
+def test_the_token_step_check_compares_every_output_and_gradient_and_reports_a_kernel_that_fails(monkeypatch):
+    """gpu_check's Triton token-step check (here under the interpreter): one result per output
+    and gradient, within fp32 tolerance; a kernel that raises (an H100 ran out of shared
+    memory) becomes one FAIL line instead of ending the check."""
+    results = gpu_check.check_token_step("cpu", torch.float32, 1e-3)
+    assert len(results) == 2 * len(gpu_check.TOKEN_STEP_PARTS) and all(r.ok for r in results)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of resource: shared memory, Required: 266240")
+
+    monkeypatch.setattr(kernels, "token_step_triton", out_of_memory)
+    failed = gpu_check.check_token_step("cpu", torch.float32, 1e-3)
+    assert [r.ok for r in failed] == [False, False] and "shared memory" in failed[0].detail
 
 
 def test_auto_traces_into_one_graph(monkeypatch):

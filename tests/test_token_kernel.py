@@ -150,6 +150,37 @@ def test_triton_refuses_what_it_cannot_take(change, match):
         ts.token_step_triton(tuple(inputs[0]), *inputs[1:])
 
 
+@pytest.mark.parametrize("dim,hidden,chunk,fits", [
+    (64, 256, 16, True), (64, 256, 32, True), (64, 128, 64, True), (32, 256, 64, True), (64, 256, 64, False),
+    (64, 256, 33, False),  # padded to 64
+])
+def test_triton_refuses_tiles_past_the_measured_shared_memory(dim, hidden, chunk, fits):
+    """The H100 measurements in MAX_TILE_VOLUME's comment: these four launched, (64, 256, 64)
+    asked for 266,240 B of the 232,448 B a block has."""
+    inputs = step_inputs(2, batch=1, heads=1, chunk=chunk, dim=dim, hidden=hidden, dtype=torch.float32)
+    reason = ts.triton_refusal(tuple(inputs[0]), *inputs[1:])
+    assert (reason is None) == fits, reason
+    if not fits:
+        assert "shared memory" in reason and "lower the chunk" in reason
+
+
+def test_autocast_is_turned_off_without_a_call_dynamo_cannot_trace(monkeypatch):
+    """torch 2.11's dynamo cannot trace torch.amp.is_autocast_available (the compiled Titans
+    model failed there): `full_precision` reads the table made at import, and still turns a
+    bf16 autocast off where one exists and does nothing on meta."""
+    def untraceable(device_type):
+        raise AssertionError("is_autocast_available called inside the step")
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable)
+    a = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16
+        with kernels.full_precision(a.device):
+            assert (a @ a).dtype == torch.float32
+    with kernels.full_precision(torch.device("meta")):
+        assert (a.to("meta") @ a.to("meta")).device.type == "meta"
+
+
 def test_triton_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     inputs = step_inputs(2, dtype=torch.float32)

@@ -98,7 +98,6 @@ Choices where the papers are silent (tested):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import dataclasses
 import warnings
@@ -112,7 +111,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import bounded_compile
 from kernels import memory_update as kernel_memory_update
-from kernels import (FUSED_TOKEN_STEP_BACKENDS, token_chunk_step, token_step_backend,
+from kernels import (FUSED_TOKEN_STEP_BACKENDS, full_precision, token_chunk_step, token_step_backend,
                      token_step_refusal)
 
 GATE_RULES = ("token", "chunk")
@@ -319,16 +318,9 @@ def token_scan_update(state, grads, mix):
     stacked state [M_C; S_C] = mix [M_0; S_0] + [G_M; G_S], one batched matmul per matrix
     (one pass over the state forward, two backward). Autocast is off there: a lower-precision
     autocast would run that matmul, hence the state, in bf16."""
-    with _full_precision(mix.device):
+    with full_precision(mix.device):
         return tuple(torch.baddbmm(g.to(s.dtype).flatten(0, 1).flatten(-2), mix.flatten(0, 1),
                                    s.flatten(0, 1).flatten(-2)).view_as(s) for s, g in zip(state, grads))
-
-
-def _full_precision(device: torch.device):
-    """Autocast off on `device` (a no-op where autocast does not exist, e.g. meta)."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 class UpdateRule(NamedTuple):

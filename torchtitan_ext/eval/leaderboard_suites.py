@@ -128,8 +128,8 @@ class Suite:
     graft_window: the same for the grafts (the backbone's native context, its sliding window); steps,
     local_batch: each training row's (equal training tokens); seeds; ppl_docs: held-out
     documents of 8x seq_len; recall_samples: prompts per task and length; answer_tokens: greedy
-    tokens per answer; overlap: train the next cell while one is evaluated (ci: speed over the
-    cost figures); backbone_steps: the backbone's pretraining (None: scripts/pretrain_backbone.sh's
+    tokens per answer; overlap: train the next cell while one is evaluated (ci, cpu: speed over
+    cost figures taken alone); backbone_steps: the backbone's pretraining (None: scripts/pretrain_backbone.sh's
     default; 0: the paper suite, which has no graft row); zero_shot_items: questions of the local
 zero-shot task each cell's Hugging Face export answers through lm-eval (torchtitan_ext/eval/zero_shot.py;
 0: none, the paper suite, whose list is zero_shot.PAPER_TASKS on the Hub)."""
@@ -168,10 +168,13 @@ zero-shot task each cell's Hugging Face export answers through lm-eval (torchtit
 SUITES = {
     "ci": Suite("ci", DEBUG_ROWS, seq_len=128, window=64, graft_window=64, steps=3, local_batch=2, seeds=(0,), ppl_docs=2,
                 recall_samples=1, backbone_steps=10, zero_shot_items=4, answer_tokens=4, overlap=True),
-    # About 3 minutes a cell on 2 cores (51 cells): 123K training tokens a row.
+    # About 3 minutes a cell on 2 cores (51 cells): 123K training tokens a row. Training and
+    # evaluation each take one thread (OMP_NUM_THREADS=1), so with overlap the next cell trains
+    # on one core while the last is evaluated on the other: each cost figure is taken on its own
+    # core beside the other process, not on an idle machine.
     "cpu": Suite("cpu", scratch_rows(CPU_SCRATCH) + graft_rows(CPU_GRAFTS), seq_len=128, window=64, graft_window=256, steps=60,
                  local_batch=16,
-                 seeds=(0, 1, 2), ppl_docs=4, recall_samples=5, backbone_steps=None, zero_shot_items=64),
+                 seeds=(0, 1, 2), ppl_docs=4, recall_samples=5, backbone_steps=None, zero_shot_items=64, overlap=True),
     "paper": Suite("paper", tuple(r for r in DEBUG_ROWS if r.name in PAPER_CONFIGS), seq_len=4096, window=512, graft_window=0,
                    steps=5 * 10**9 // 2**19, local_batch=8, seeds=(0,), ppl_docs=100, recall_samples=100,
                    backbone_steps=0, paper_configs=PAPER_CONFIGS),
