@@ -260,21 +260,10 @@ def time_backends(device: str, backends: tuple[str, ...], shapes: dict = TABLE_S
     5 Newton-Schulz steps, summed over the class's matrix shapes (the per-token chunk step:
     over TOKEN_STEP_CHUNKS); a backend that cannot take the class (`kernels.can_run`,
     `kernels.token_step_refusal`) or the op is left out."""
-    from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, TOKEN_STEP_BACKENDS, can_run, memory_update, newton_schulz
-    from kernels import token_step_refusal
-
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, can_run, memory_update, newton_schulz
 
     def ms(fn) -> float:
-        fn()  # warm-up (compiles)
-        sync()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
+        return median_ms(fn, device, repeats)
 
     timings = {}
     for cls, (batch, matrix_shapes) in shapes.items():
@@ -296,21 +285,46 @@ def time_backends(device: str, backends: tuple[str, ...], shapes: dict = TABLE_S
                     if can_run(backend, s, choices):
                         row[backend] = row.get(backend, 0.0) + ms(lambda b=backend: step(b))
             timings[op, cls] = row
-        row, (dim, hidden), failed = {}, matrix_shapes[0], set()
-        timed = {backend: 0 for backend in backends}
-        for chunk in TOKEN_STEP_CHUNKS:
-            inputs = token_step_inputs(batch, dim, hidden, chunk, device)
-            weights = token_step_output_weights(inputs)
-            for backend in (b for b in backends if b in TOKEN_STEP_BACKENDS):
-                if token_step_refusal(backend, inputs[:2], *inputs[2:]) is None and backend not in failed:
-                    try:
-                        row[backend] = row.get(backend, 0.0) + ms(lambda b=backend, x=inputs, w=weights: token_step_outputs(b, x, w))
-                        timed[backend] += 1
-                    except Exception as e:  # left out of the table, said why
-                        print(f"token_step {backend} {cls} C{chunk}: {type(e).__name__}: {str(e).splitlines()[0]}")
-                        failed.add(backend)
-        timings["token_step", cls] = {b: t for b, t in row.items() if timed[b] == len(TOKEN_STEP_CHUNKS)}
+        timings["token_step", cls] = time_token_step(device, backends, batch, *matrix_shapes[0], repeats)
     return timings
+
+
+def median_ms(fn, device: str, repeats: int) -> float:
+    """Median milliseconds of `fn()` over `repeats` calls after one warm-up (compilation),
+    the device synchronised around each."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def time_token_step(device: str, backends: tuple[str, ...], batch: tuple[int, int], dim: int, hidden: int,
+                    repeats: int) -> dict[str, float]:
+    """{backend: ms} of one per-token chunk step forward + backward (`token_step_outputs`),
+    summed over TOKEN_STEP_CHUNKS; a backend that refuses a chunk (`kernels.token_step_refusal`)
+    or raises (said in one printed line) is left out."""
+    from kernels import TOKEN_STEP_BACKENDS, token_step_refusal
+
+    totals = {backend: 0.0 for backend in backends if backend in TOKEN_STEP_BACKENDS}
+    for chunk in TOKEN_STEP_CHUNKS:
+        inputs = token_step_inputs(batch, dim, hidden, chunk, device)
+        weights = token_step_output_weights(inputs)
+        for backend in list(totals):
+            if token_step_refusal(backend, inputs[:2], *inputs[2:]) is not None:
+                del totals[backend]
+                continue
+            try:
+                totals[backend] += median_ms(lambda: token_step_outputs(backend, inputs, weights), device, repeats)
+            except Exception as e:
+                print(f"token_step {backend} {batch} C{chunk}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                del totals[backend]
+    return totals
 
 
 def table_entry(ms: dict[str, float], default: str) -> str:
