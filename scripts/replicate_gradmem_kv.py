@@ -70,7 +70,8 @@ def batches(tokenizer, pairs: tuple[int, ...], batch: int, seed: int):
 
 
 def train(args, write: str, k: int, alpha: float, meta_gradient: str, seed: int, tokenizer, log) -> torch.nn.Module:
-    from torchtitan_ext.families.gradmem import model_config, weighted_write_loss
+    from torchtitan_ext.families.gradmem import model_config
+    from torchtitan_ext.families.gradmem_loss import weighted_write_loss
     from models.grafts.gradmem import GradMemLM
 
     torch.manual_seed(seed)
@@ -105,7 +106,7 @@ def train(args, write: str, k: int, alpha: float, meta_gradient: str, seed: int,
 def main(argv: list[str] | None = None) -> None:
     from torchtitan_ext.eval.tasks import gradmem_markdown, gradmem_plot
     from torchtitan_ext.eval.gradmem_kv import kv_cell, pool_cells
-    from torchtitan_ext.families.gradmem import WRITE_LOSS_WEIGHT
+    from torchtitan_ext.families.gradmem_loss import WRITE_LOSS_WEIGHT
     from torchtitan_ext.data.kv_tokenizer import build
     from torchtitan_ext.paths import write_results
     from torchtitan_ext.data.tokenizer import AssetsTokenizer

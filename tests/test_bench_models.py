@@ -33,15 +33,14 @@ def test_dry_run_trains_every_family(capsys):
 
 
 def test_runs_without_torchtitan():
-    """torchtitan made unimportable: the plain-model families still train; a family whose
-    registry entry needs torchtitan is skipped with a note, not a failure."""
+    """torchtitan made unimportable (as on an image whose torch is older than the pin): every
+    family still builds and trains, the backbone and GradMem (whose torchtitan pieces live in
+    modules of their own) included."""
     code = ("import sys, runpy; sys.modules['torchtitan'] = None; "
-            "sys.argv = ['bench_models.py', '--device', 'cpu', '--dry-run', '--models', 'transformer,titans_mac,mela,backbone']; "
+            "sys.argv = ['bench_models.py', '--device', 'cpu', '--dry-run']; "
             "runpy.run_path('scripts/bench_models.py', run_name='__main__')")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    table = rows(out.stdout)
-    assert {"transformer", "titans_mac", "mela"} <= set(table), out.stdout
-    backbone = [line for line in out.stdout.splitlines() if line.startswith("backbone")]
-    assert "backbone" in table or "skipped" in backbone[0], out.stdout
+    bench = load_script("bench_models")
+    assert set(rows(out.stdout)) == set(bench.DEBUG), out.stdout

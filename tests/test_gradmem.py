@@ -21,7 +21,7 @@ from conftest import load_script, REPO, train
 from models.grafts.gradmem import GradMemLM, GradMemLMConfig
 from models.memory.gradmem import GradMemConfig, gradmem_diagnostics
 from torchtitan_ext.eval.gradmem_kv import exact_match
-from torchtitan_ext.families.gradmem import weighted_write_loss
+from torchtitan_ext.families.gradmem_loss import weighted_write_loss
 from torchtitan_ext.data.synthetic_tasks import kv_pairs
 
 VOCAB, N, R = 24, 11, 6  # context and read lengths of the test rows

@@ -37,7 +37,8 @@ from torchtitan.trainer import Trainer
 from models.grafts.graft import GraftConfig
 from models.grafts.lora import LoRAConfig
 from torchtitan_ext.families import backbone
-from torchtitan_ext.families.gradmem import GradMemLoss, KV, model_spec
+from torchtitan_ext.families.gradmem import KV, model_spec
+from torchtitan_ext.families.gradmem_loss import GradMemLoss
 from torchtitan_ext.data.kv_tokenizer import build as build_kv_tokenizer, kv_tokenizer_dir
 from torchtitan_ext.data.task_data import TaskDataLoader
 from train_configs.backbone import LLAMA3_2_1B

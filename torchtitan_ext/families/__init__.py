@@ -35,7 +35,9 @@ class Family:
     (logged by `MemoryTrainer`); hf_config(config): the transformers config of a family that
     exports as a standard transformers class, or None for a config that has none (remote
     code; the field None: the whole family exports as remote code); state_dict_adapter:
-    torchtitan's adapter to Hugging Face keys (None: the export wrapper's `model.` prefix);
+    torchtitan's adapter to Hugging Face keys, the class or "module:Class" imported when a
+    spec is built (`adapter_class`; so that the plain model builds without torchtitan) (None:
+    the export wrapper's `model.` prefix);
     check_hf_folder(config, folder): UserError unless a Hugging Face folder holds a model of
     `config`'s shape (preflight, before an initial load); check_config(trainer config):
     UserError for options the family cannot train under (preflight); config_module: the `train_configs`
@@ -52,7 +54,7 @@ class Family:
     flops_per_token: Callable | None = None
     diagnostics: Callable | None = None
     hf_config: Callable | None = None
-    state_dict_adapter: type | None = None
+    state_dict_adapter: type | str | None = None
     check_hf_folder: Callable | None = None
     check_config: Callable | None = None
     config_module: str = ""
@@ -67,6 +69,13 @@ class Family:
             raise ValueError(f"unknown {self.name} flavor '{flavor}': choose one of {sorted(self.flavors)}")
         return self.config_class(**(dict(self.flavors[flavor]) | overrides))
 
+    def adapter_class(self) -> type | None:
+        """The state-dict adapter class (`state_dict_adapter`, imported here when it is named)."""
+        if not isinstance(self.state_dict_adapter, str):
+            return self.state_dict_adapter
+        module, name = self.state_dict_adapter.split(":")
+        return getattr(importlib.import_module(module), name)
+
     def spec_name(self, config) -> str:
         return f"{self.name}_{getattr(config, self.variant_field)}" if self.variant_field else self.name
 
@@ -79,7 +88,7 @@ class Family:
         config = self.config(flavor, **overrides)
         model_cls = torchtitan_model(self.plain_class, self.config_class, self.flops_per_token)
         return plain_model_spec(self.spec_name(config), flavor, model_cls, dataclasses.replace(config),
-                                self.state_dict_adapter)
+                                self.adapter_class())
 
     def specs(self):
         """(ModelSpec name, flavor, overrides) of every variant and flavor."""

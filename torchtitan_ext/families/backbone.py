@@ -8,9 +8,10 @@ tests/test_backbone.py), and `llama_debug` / `qwen2_debug` / `qwen3_debug` for C
 the real ones; Qwen2's q/k/v biases, tied head, rope theta 1e6 and norm eps 1e-6 as in
 Qwen2.5-0.5B).
 
-`HFBackboneAdapter` is torchtitan's StateDictAdapter for it (so `--checkpoint.initial_load_in_hf`
-and the exporter work): keys are renamed, nothing is permuted (the backbone uses Hugging
-Face's RoPE layout). `load_hf_backbone(folder)` and the preflight of an initial load
+Its torchtitan StateDictAdapter is `backbone_adapter.HFBackboneAdapter` (so
+`--checkpoint.initial_load_in_hf` and the exporter work): keys are renamed by `to_hf_keys` /
+`from_hf_keys`, nothing is permuted (the backbone uses Hugging Face's RoPE layout). Nothing
+here imports torchtitan. `load_hf_backbone(folder)` and the preflight of an initial load
 (`check_hf_folder`) check `config.json` against the flavor's config and every weight's shape
 in the safetensors headers before anything is materialised.
 """
@@ -22,7 +23,6 @@ import re
 from pathlib import Path
 
 import torch
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from models.backbones.decoder_lm import config_from_hf, DecoderLM, DecoderLMConfig
 from models.grafts.graft import graft_diagnostics, GRAFT_KINDS
@@ -75,21 +75,6 @@ def from_hf_keys(state: dict, tied: bool) -> dict:
     if tied:
         ours["lm_head.weight"] = ours["tok_embeddings.weight"]
     return ours
-
-
-class HFBackboneAdapter(StateDictAdapter):
-    """torchtitan StateDictAdapter: our keys <-> Hugging Face Llama / Qwen2 / Qwen3 keys (graft weights
-    left out: an initial load from a Hugging Face folder leaves them at their init; a grafted
-    backbone's own export is remote code, read through `hf_export.hf_form`)."""
-
-    def _tied(self) -> bool:
-        return bool(self.model_config.model.tie_embeddings)
-
-    def to_hf(self, state_dict):
-        return to_hf_keys(state_dict, self._tied())
-
-    def from_hf(self, hf_state_dict):
-        return from_hf_keys(hf_state_dict, self._tied())
 
 
 def read_hf_config(folder: Path) -> DecoderLMConfig:
@@ -214,9 +199,10 @@ def flops_per_token(cfg: DecoderLMConfig, seq_len: int) -> float:
             + flops.TRAIN * (flops.lora(cfg) + added))
 
 
+ADAPTER = "torchtitan_ext.families.backbone_adapter:HFBackboneAdapter"
 FAMILY = Family(name="backbone", summary="Pretrained Llama / Qwen2 / Qwen3 decoder (loads Hugging Face checkpoints; grafts "
                 "build on it)", flavors=FLAVORS, config_class=DecoderLMConfig, plain_class=DecoderLM,
-                hf_config=hf_config, state_dict_adapter=HFBackboneAdapter, flops_per_token=flops_per_token,
+                hf_config=hf_config, state_dict_adapter=ADAPTER, flops_per_token=flops_per_token,
                 diagnostics=graft_diagnostics,
                 check_hf_folder=check_hf_folder)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec

@@ -1,5 +1,5 @@
-"""The GradMem family (`models/grafts/gradmem.py`): flavors, the outer loss, the checks a run must
-pass (its KV-retrieval scoring: torchtitan_ext/eval/gradmem_kv.py; its FLOP count: the "gradmem"
+"""The GradMem family (`models/grafts/gradmem.py`): flavors and the checks a run must pass (its
+outer loss: torchtitan_ext/families/gradmem_loss.py (its KV-retrieval scoring: torchtitan_ext/eval/gradmem_kv.py; its FLOP count: the "gradmem"
 row of `models/grafts/graft.py`'s `GRAFT_KINDS`, `models/memory/gradmem.py`'s `gradmem_flops`).
 
 Flavors:
@@ -25,11 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from torchtitan.components.loss import ChunkedLossWrapper, IGNORE_INDEX
 
 from models.grafts.gradmem import GradMemLM, GradMemLMConfig
 from models.grafts.graft import GRAFT_KINDS
@@ -46,43 +42,10 @@ FLAVORS = {
     "kv_debug": dict(KV, dim=64, n_layers=2, ffn_hidden=256),
     **{name: dict(backbone.FLAVORS[name], train_backbone=False) for name in ("qwen3_debug", "llama3_2_1b", "qwen3_0_6b")},
 }
-WRITE_LOSS_WEIGHT = 0.5  # the public KV-retrieval script's inner-loss weight in the outer loss
-
-
-def weighted_write_loss(write_loss: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
-    """weight x sum_i L_write,i x n_i, n_i = sample i's labelled (answer) tokens: divided by the
-    labelled tokens of the batch (torchtitan's normaliser) it is the write loss's batch mean
-    weighted like the read loss, a plain mean when every answer has the same length.
-    write_loss (B,), labels (B, L) -> scalar."""
-    return weight * (write_loss * (labels != IGNORE_INDEX).sum(1)).sum()
-
-
-class GradMemLoss(ChunkedLossWrapper):
-    """The outer objective: the read's cross-entropy on the answer tokens (torchtitan's chunked
-    loss over the hidden states the model returns) + `write_weight` x the write loss of the
-    last inner step (`weighted_write_loss`), both over torchtitan's global token count."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(ChunkedLossWrapper.Config):
-        num_chunks: int = 1
-        write_weight: float = WRITE_LOSS_WEIGHT
-
-    def __init__(self, config: Config, **kwargs):
-        super().__init__(config, **kwargs)
-        self.write_weight = config.write_weight
-
-    def __call__(self, pred, labels, global_valid_tokens=None, **loss_inputs):
-        hidden, write_loss = pred
-        loss, metrics = super().__call__(hidden, labels, global_valid_tokens, **loss_inputs)
-        extra = weighted_write_loss(write_loss, labels, self.write_weight)
-        if global_valid_tokens is not None:
-            extra = extra / global_valid_tokens
-        return loss + extra, metrics
-
-
 def check_config(config) -> None:
     """UserError for what the second-order write cannot run under (module docstring)."""
     from torchtitan_ext.data.kv_tokenizer import build, kv_tokenizer_dir
+    from torchtitan_ext.families.gradmem_loss import GradMemLoss
 
     if config.compile.enable:
         raise UserError("GradMem's write differentiates the model's backward, which torch.compile cannot "
@@ -145,14 +108,14 @@ def gradmem_spec(flavor: str, **overrides):
     from torchtitan_ext.families.plain_model import plain_model_spec, torchtitan_model
 
     spec = plain_model_spec("gradmem", flavor, torchtitan_model(GradMemLM, GradMemLMConfig, FAMILY.flops_per_token),
-                            FAMILY.config(flavor, **overrides), backbone.HFBackboneAdapter)
+                            FAMILY.config(flavor, **overrides), backbone.FAMILY.adapter_class())
     return dataclasses.replace(spec, parallelize_fn=parallelize_gradmem)
 
 
 FAMILY = Family(name="gradmem", summary="GradMem: a prefix memory written by test-time gradient descent (from "
                 "scratch on KV-retrieval, or grafted on a pretrained Llama / Qwen3)", flavors=FLAVORS,
                 config_class=GradMemLMConfig, plain_class=GradMemLM, build_spec=gradmem_spec,
-                state_dict_adapter=backbone.HFBackboneAdapter,
+                state_dict_adapter=backbone.ADAPTER,
                 check_hf_folder=backbone.FAMILY.check_hf_folder, check_config=check_config,
                 diagnostics=gradmem_diagnostics, flops_per_token=GRAFT_KINDS["gradmem"].flops)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec
