@@ -14,13 +14,12 @@ forward + backward): the memory's `chunk_step` against `kernels.token_chunk_step
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
 
 from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, memory_update, newton_schulz
+from torchtitan_ext.timing import median_seconds
 from torchtitan_ext.training.cpu import measured_matmul_flops
 
 BATCH, STEPS = (4, 4), 5
@@ -31,18 +30,6 @@ def newton_schulz_flops(rows: int, cols: int) -> float:
     """Forward FLOPs of one matrix: per step X X^T, A^2, (bA + cA^2) X with r = min side."""
     r, c = sorted((rows, cols))
     return STEPS * (2 * r * r * c + 2 * r**3 + 2 * r * r * c)
-
-
-def timed(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def cases(device: str):
@@ -69,20 +56,19 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     peak = measured_matmul_flops(device=device)
     print(f"fp32 matmul peak on {device} (2048^3, measured now): {peak / 1e9:.1f} GFLOP/s")
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     backends = ["torch", "compiled"] + (["triton", "triton_blocked"] if device == "cuda" else [])
     print(f"{'op (16 matrices)':<26}" + "".join(f"{b + ' ms':>18}" for b in backends) + f"{'compiled/eager':>16}{'GFLOP/s (best)':>16}{'of peak':>9}")
     for name, fn, rows, cols, supported in cases(device):
-        ms = {b: 1e3 * timed(lambda b=b: fn(b), args.repeats, sync) for b in backends if b in supported}
+        ms = {b: 1e3 * median_seconds(lambda b=b: fn(b), args.repeats, device) for b in backends if b in supported}
         flops = 3 * newton_schulz_flops(rows, cols) * BATCH[0] * BATCH[1]  # forward + backward ~ 3x forward
         best = min(ms.values()) / 1e3
         print(f"{name:<26}" + "".join(f"{ms[b]:>18.3f}" if b in ms else f"{'-':>18}" for b in backends)
               + f"{ms['torch'] / ms['compiled']:>15.2f}x{flops / best / 1e9:>16.1f}{flops / best / peak:>8.1%}")
 
-    token_step_rows(device, args.repeats, sync)
+    token_step_rows(device, args.repeats)
 
 
-def token_step_rows(device: str, repeats: int, sync) -> None:
+def token_step_rows(device: str, repeats: int) -> None:
     """ms per forward + backward of one per-token chunk step, by backend (module docstring)."""
     from kernels import token_chunk_step
     from models.memory.neural_memory import chunk_gates, chunk_step, UpdateRule
@@ -104,7 +90,7 @@ def token_step_rows(device: str, repeats: int, sync) -> None:
         (y.sum() + sum(n.sum() for n in new)).backward()
 
     backends = ["chunk_step", "torch", "fused_torch"] + (["triton"] if device == "cuda" else [])
-    ms = {b: 1e3 * timed(lambda b=b: run(b), repeats, sync) for b in backends}
+    ms = {b: 1e3 * median_seconds(lambda b=b: run(b), repeats, device) for b in backends}
     print("token chunk step (16 x chunk 16, 64 x 256): " + ", ".join(f"{b} {t:.3f} ms" for b, t in ms.items()))
 
 

@@ -29,31 +29,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 import torch
 import torch._inductor.config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 from torchtitan_ext.families import titans
+from torchtitan_ext.timing import median_seconds
 from torchtitan_ext.training.cpu import measured_matmul_flops
 
 B, T, DIM, HEADS, HEAD_DIM, EXPANSION = 4, 2048, 256, 4, 64, 4
 FLAVOR_LENGTH = 1024  # tokens per sequence of the bytes measurement at the paper flavors' shapes
 QUICK_LENGTH = 256  # --quick: tokens per sequence in every section
 PARTS = ("speed", "bytes", "ops")
-
-
-def seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def forward_backward(memory: torch.nn.Module, batch: int = B, length: int = T, dim: int = DIM):
@@ -106,11 +95,11 @@ def speed(repeats: int, length: int = T) -> None:
     print(f"{'chunk':>5} {'gates':>6} {'path':>9} {'ours s':>8} {'titans-pytorch s':>17} {'speed-up':>9} "
           f"{'ours GFLOP/s':>13} {'of peak':>8}")
     for chunk in (64, 16):
-        peer = seconds(theirs(chunk, length), max(1, repeats - 1))
+        peer = median_seconds(theirs(chunk, length), max(1, repeats - 1))
         for gates in ("token", "chunk"):
             for path, compiled in (("eager", False), ("compiled", True)):
                 memory = NeuralMemory(bench_config(chunk, gates=gates, compiled_chunk_step=compiled))
-                mine = seconds(forward_backward(memory, length=length), repeats)
+                mine = median_seconds(forward_backward(memory, length=length), repeats)
                 achieved = model_flops(gates, length) / mine
                 print(f"{chunk:>5} {gates:>6} {path:>9} {mine:>8.3f} {peer:>17.3f} {peer / mine:>8.1f}x "
                       f"{achieved / 1e9:>13.1f} {achieved / peak:>7.1%}")
@@ -160,7 +149,7 @@ def bytes_report(repeats: int, flavor_length: int = FLAVOR_LENGTH, length: int =
     for label, options in {**RECOMPUTE, "G=8": {"checkpoint_chunks": 8}}.items():
         memory = NeuralMemory(bench_config(64, **options))
         kept = saved_bytes(memory, B, length) / (B * length)
-        print(f"  {label}: {seconds(forward_backward(memory, length=length), repeats):.3f} s, "
+        print(f"  {label}: {median_seconds(forward_backward(memory, length=length), repeats):.3f} s, "
               f"{kept:,.0f} bytes/token")
 
 

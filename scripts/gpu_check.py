@@ -28,7 +28,6 @@ the transformer family, so it runs on images whose torch (2.11 and up) is older 
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.paths import default_tokenizer_dir
+from torchtitan_ext.timing import median_seconds
 from torchtitan_ext.training.run_log import last_line, parse_steps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,18 +290,7 @@ def time_backends(device: str, backends: tuple[str, ...], shapes: dict = TABLE_S
 
 
 def median_ms(fn, device: str, repeats: int) -> float:
-    """Median milliseconds of `fn()` over `repeats` calls after one warm-up (compilation),
-    the device synchronised around each."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, repeats, device)
 
 
 def time_token_step(device: str, backends: tuple[str, ...], batch: tuple[int, int], dim: int, hidden: int,
