@@ -380,13 +380,15 @@ def cell_path(out: Path, row: Row, seed: int) -> Path:
 
 
 def run_cells(rows: tuple[Row, ...], chosen: Suite, out: Path) -> dict:
-    """Every unfinished (row, seed) cell run and written, with a progress bar over cells: the
+    """Every unfinished (row, seed) cell run and written, seed by seed, with a progress bar over cells: the
     training runs one after another in a thread, each cell evaluated here once its run ends;
     with suite.overlap the next cell trains during an evaluation (faster; the cost figures
     then share the CPU). {"run": n, "skipped": n}."""
     from tqdm import tqdm
 
-    cells = [(row, seed) for row in rows for seed in chosen.seeds]
+    # seed-major: a run stopped part-way has every row at its first seeds (each hypothesis
+    # answered on fewer seeds) rather than some rows with all seeds and others with none
+    cells = [(row, seed) for seed in chosen.seeds for row in rows]
     pending = [(row, seed) for row, seed in cells if not cell_path(out, row, seed).is_file()]
     zero_shot = zero_shot_available(chosen)
     no_zero_shot = [(row, seed) for row, seed in cells if zero_shot and (row, seed) not in pending
