@@ -262,9 +262,6 @@ def time_backends(device: str, backends: tuple[str, ...], shapes: dict = TABLE_S
     `kernels.token_step_refusal`) or the op is left out."""
     from kernels import BACKENDS, MEMORY_UPDATE_BACKENDS, can_run, memory_update, newton_schulz
 
-    def ms(fn) -> float:
-        return median_ms(fn, device, repeats)
-
     timings = {}
     for cls, (batch, matrix_shapes) in shapes.items():
         for op, choices in (("newton_schulz", BACKENDS), ("memory_update", MEMORY_UPDATE_BACKENDS)):
@@ -283,14 +280,10 @@ def time_backends(device: str, backends: tuple[str, ...], shapes: dict = TABLE_S
 
                 for backend in backends:
                     if can_run(backend, s, choices):
-                        row[backend] = row.get(backend, 0.0) + ms(lambda b=backend: step(b))
+                        row[backend] = row.get(backend, 0.0) + 1e3 * median_seconds(lambda b=backend: step(b), repeats, device)
             timings[op, cls] = row
         timings["token_step", cls] = time_token_step(device, backends, batch, *matrix_shapes[0], repeats)
     return timings
-
-
-def median_ms(fn, device: str, repeats: int) -> float:
-    return 1e3 * median_seconds(fn, repeats, device)
 
 
 def time_token_step(device: str, backends: tuple[str, ...], batch: tuple[int, int], dim: int, hidden: int,
@@ -309,7 +302,7 @@ def time_token_step(device: str, backends: tuple[str, ...], batch: tuple[int, in
                 del totals[backend]
                 continue
             try:
-                totals[backend] += median_ms(lambda: token_step_outputs(backend, inputs, weights), device, repeats)
+                totals[backend] += 1e3 * median_seconds(lambda: token_step_outputs(backend, inputs, weights), repeats, device)
             except Exception as e:
                 print(f"token_step {backend} {batch} C{chunk}: {type(e).__name__}: {str(e).splitlines()[0]}")
                 del totals[backend]

@@ -401,6 +401,7 @@ def run_cells(rows: tuple[Row, ...], chosen: Suite, out: Path) -> dict:
     for row, seed in no_zero_shot:  # a cell finished before the zero-shot column existed
         cell = json.loads(cell_path(out, row, seed).read_text())
         write_json(cell_path(out, row, seed), {**cell, "zero_shot": zero_shot_cell(row, chosen, seed, out, hf)})
+    threads = torch.get_num_threads()
     if chosen.overlap:  # the evaluations take as many threads as the training beside them (train_env)
         torch.set_num_threads(int(train_env()["OMP_NUM_THREADS"]))
     lead, trainer, trained = int(chosen.overlap), ThreadPoolExecutor(max_workers=1), []
@@ -418,4 +419,5 @@ def run_cells(rows: tuple[Row, ...], chosen: Suite, out: Path) -> dict:
                                                    "eval_seconds": time.time() - started, **result, "train": cost})
     finally:
         trainer.shutdown(cancel_futures=True)
+        torch.set_num_threads(threads)
     return {"run": len(pending), "skipped": len(cells) - len(pending)}
