@@ -8,6 +8,9 @@ speed: forward + backward of one memory layer, B=4, T=2048, dim 256, 4 heads of 
     process. Ours updates chunk after chunk (each chunk's gradients at the state after the
     previous chunk); titans-pytorch takes every gradient at the sequence-start weights (less
     sequential work). Also our FLOP/s against this machine's fp32 matmul FLOP/s measured now.
+    Everything is measured twice: under glibc malloc's default thresholds, then after
+    `torchtitan_ext.allocator.keep_freed_memory` (freed blocks stay in the heap, as with
+    jemalloc / tcmalloc): the peer's time at small chunks is mostly page faults under the first.
 bytes: bytes a forward leaves allocated for backward (net allocations recorded by the
     profiler, the output excepted) per token of one memory layer at the 170m / 400m / 760m shapes (chunk 64),
     measured on CPU in fp32 at B=1, T=1024 and extrapolated linearly to the paper's B=8,
@@ -35,6 +38,7 @@ import torch._inductor.config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
+from torchtitan_ext.allocator import keep_freed_memory
 from torchtitan_ext.families import titans
 from torchtitan_ext.timing import median_seconds
 from torchtitan_ext.training.cpu import measured_matmul_flops
@@ -43,6 +47,7 @@ B, T, DIM, HEADS, HEAD_DIM, EXPANSION = 4, 2048, 256, 4, 64, 4
 FLAVOR_LENGTH = 1024  # tokens per sequence of the bytes measurement at the paper flavors' shapes
 QUICK_LENGTH = 256  # --quick: tokens per sequence in every section
 PARTS = ("speed", "bytes", "ops")
+ALLOCATORS = ("default", "kept")  # glibc malloc's default thresholds; freed memory kept (`keep_freed_memory`)
 
 
 def forward_backward(memory: torch.nn.Module, batch: int = B, length: int = T, dim: int = DIM):
@@ -92,17 +97,21 @@ def speed(repeats: int, length: int = T) -> None:
     peak = measured_matmul_flops()
     print(f"B={B} T={length}; fp32 matmul peak (2048^3, measured now): {peak / 1e9:.1f} GFLOP/s; "
           f"threads {torch.get_num_threads()}")
-    print(f"{'chunk':>5} {'gates':>6} {'path':>9} {'ours s':>8} {'titans-pytorch s':>17} {'speed-up':>9} "
-          f"{'ours GFLOP/s':>13} {'of peak':>8}")
-    for chunk in (64, 16):
-        peer = median_seconds(theirs(chunk, length), max(1, repeats - 1))
-        for gates in ("token", "chunk"):
-            for path, compiled in (("eager", False), ("compiled", True)):
-                memory = NeuralMemory(bench_config(chunk, gates=gates, compiled_chunk_step=compiled))
-                mine = median_seconds(forward_backward(memory, length=length), repeats)
-                achieved = model_flops(gates, length) / mine
-                print(f"{chunk:>5} {gates:>6} {path:>9} {mine:>8.3f} {peer:>17.3f} {peer / mine:>8.1f}x "
-                      f"{achieved / 1e9:>13.1f} {achieved / peak:>7.1%}")
+    print(f"{'malloc':>7} {'chunk':>5} {'gates':>6} {'path':>9} {'ours s':>8} {'titans-pytorch s':>17} "
+          f"{'speed-up':>9} {'ours GFLOP/s':>13} {'of peak':>8}")
+    for allocator in ALLOCATORS:
+        if allocator == "kept" and not keep_freed_memory():
+            print("speed: malloc thresholds left as they are (the C library is not glibc): one setting only")
+            break
+        for chunk in (64, 16):
+            peer = median_seconds(theirs(chunk, length), max(1, repeats - 1))
+            for gates in ("token", "chunk"):
+                for path, compiled in (("eager", False), ("compiled", True)):
+                    memory = NeuralMemory(bench_config(chunk, gates=gates, compiled_chunk_step=compiled))
+                    mine = median_seconds(forward_backward(memory, length=length), repeats)
+                    achieved = model_flops(gates, length) / mine
+                    print(f"{allocator:>7} {chunk:>5} {gates:>6} {path:>9} {mine:>8.3f} {peer:>17.3f} "
+                          f"{peer / mine:>8.1f}x {achieved / 1e9:>13.1f} {achieved / peak:>7.1%}")
 
 
 def saved_bytes(memory: NeuralMemory, batch: int, length: int) -> int:
