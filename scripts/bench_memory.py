@@ -11,6 +11,8 @@ speed: forward + backward of one memory layer, B=4, T=2048, dim 256, 4 heads of 
     Everything is measured twice: under glibc malloc's default thresholds, then after
     `torchtitan_ext.allocator.keep_freed_memory` (freed blocks stay in the heap, as with
     jemalloc / tcmalloc): the peer's time at small chunks is mostly page faults under the first.
+    The setting cannot be undone, so the sections after it run with freed memory kept (they
+    count profiler-recorded bytes and dispatched ops, which it does not change).
 bytes: bytes a forward leaves allocated for backward (net allocations recorded by the
     profiler, the output excepted) per token of one memory layer at the 170m / 400m / 760m shapes (chunk 64),
     measured on CPU in fp32 at B=1, T=1024 and extrapolated linearly to the paper's B=8,
