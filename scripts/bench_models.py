@@ -7,7 +7,8 @@
 A plain loop per model: the family's `models/` class built from its flavor's config, random
 tokens, cross-entropy (plus a model's own auxiliary loss, e.g. GradMem's write loss), AdamW
 (fused on CUDA), bf16 autocast on CUDA with fp32 parameters (each neural memory keeps its fast
-weights in fp32 by its own rule), optionally `torch.compile` of the whole model. Nothing here
+weights in fp32 by its own rule), optionally `torch.compile` of the whole model (of its regions
+for a family that trains so: `Family.compile_regions`, Titans). Nothing here
 imports torchtitan (the families' registry modules keep their torchtitan pieces, such as the
 backbone's state-dict adapter and GradMem's loss, in modules of their own), so it runs on any
 torch >= 2.11 with CUDA, where torchtitan 0.3.0 cannot.
@@ -148,7 +149,13 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
     result.params = sum(p.numel() for p in model.parameters())
     result.flops_per_token = flops_per_token(seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    run = torch.compile(model) if compile_model else model
+    run = model
+    if compile_model:  # as the family's training compiles it: by regions (Titans), else the whole model
+        regions = load_family(name)[0].compile_regions
+        if regions is None:
+            run = torch.compile(model)
+        else:
+            regions(model, "inductor")
     data = inputs(load_family(name)[0].name, batch, seq_len, cfg.vocab_size, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":

@@ -1,5 +1,6 @@
-"""torch.compile (fullgraph, as torchtitan compiles each block) and activation
-checkpointing give the eager block's outputs and gradients, for every Titans variant."""
+"""torch.compile (fullgraph, as torchtitan compiles each block; and by regions, as Titans
+training compiles: `compile_regions`) and activation checkpointing give the eager block's
+outputs and gradients, for every Titans variant."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from models.lms.titans import TitansBlock, TitansConfig, VARIANTS
+from models.lms.titans import TitansBlock, TitansConfig, TitansLM, VARIANTS
 from models.memory.neural_memory import NeuralMemoryConfig
+from torchtitan_ext.families.titans import COMPILED_REGIONS, compile_regions
+
+
+def small_config(variant: str) -> TitansConfig:
+    return TitansConfig(variant=variant, vocab_size=10, dim=16, n_layers=1, n_heads=2, window=8, n_persistent=2,
+                        memory=NeuralMemoryConfig(chunk_size=4, expansion=2))
 
 
 def block_and_input(variant: str):
     torch.manual_seed(0)
-    cfg = TitansConfig(variant=variant, vocab_size=10, dim=16, n_layers=1, n_heads=2, window=8, n_persistent=2,
-                       memory=NeuralMemoryConfig(chunk_size=4, expansion=2))
-    return TitansBlock(cfg), torch.randn(2, 16, 16, requires_grad=True)
+    return TitansBlock(small_config(variant)), torch.randn(2, 16, 16, requires_grad=True)
 
 
 def outputs_and_grads(block, x, run):
@@ -33,6 +38,22 @@ def test_compiled_block_matches_eager(variant):
     eager = outputs_and_grads(block, x, block)
     compiled = outputs_and_grads(block, x, torch.compile(block, fullgraph=True))
     for a, b in zip(eager, compiled):  # fp32 rounding: tolerance relative to each tensor's scale
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * max(1.0, a.abs().max().item()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_regionally_compiled_block_matches_eager(variant):
+    """Regions through aot_eager (fast), the memory's chunk steps through Inductor."""
+    torch.manual_seed(0)
+    model, x = TitansLM(small_config(variant)), torch.randn(2, 16, 16, requires_grad=True)
+    block = model.layers["0"]
+    eager = outputs_and_grads(block, x, block)
+    compile_regions(model, "aot_eager")
+    compiled_regions = [name for name in COMPILED_REGIONS if getattr(getattr(block, name, None), "_compiled_call_impl", None)]
+    assert block.memory.cfg.compiled_chunk_step and compiled_regions == [n for n in COMPILED_REGIONS if hasattr(block, n)]
+    compiled = outputs_and_grads(block, x, block)
+    for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * max(1.0, a.abs().max().item()))
 
 

@@ -34,6 +34,8 @@ AC_MODES = {
     "transformer": {"eager-selective": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"],
                     "no-ac": ["activation-checkpoint:none"]},
     "mela": {"eager-no-ac": [], "compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"]},
+    # compiled by region (torchtitan_ext/families/titans.py `compile_regions`), the chunk loop eager
+    "titans_mac": {"eager-no-ac": [], "compiled": ["--compile.enable"]},
 }
 # mela_debug's lr 3e-3 makes a loss spike at steps 8-10 (7.17 -> 7.51 -> 9.03) that amplifies
 # rounding: eager and compiled agree to 5 decimals through step 7, then part by 1.2e-5,

@@ -41,7 +41,8 @@ class Family:
     check_hf_folder(config, folder): UserError unless a Hugging Face folder holds a model of
     `config`'s shape (preflight, before an initial load); check_config(trainer config):
     UserError for options the family cannot train under (preflight); config_module: the `train_configs`
-    module (default `train_configs.<name>`)."""
+    module (default `train_configs.<name>`); compile_regions(model, backend): how the family's
+    training compiles a model in place of torchtitan's per-block compile (None: that one)."""
 
     name: str
     summary: str
@@ -58,6 +59,7 @@ class Family:
     check_hf_folder: Callable | None = None
     check_config: Callable | None = None
     config_module: str = ""
+    compile_regions: Callable | None = None
 
     def __post_init__(self):
         if not self.config_module:

@@ -17,6 +17,8 @@ vs MAL's extra norm; LMM has no attention):
 
 from __future__ import annotations
 
+import dataclasses
+
 from models.memory.neural_memory import NeuralMemoryConfig
 from models.lms.titans import memory_diagnostics, TitansConfig, TitansLM, VARIANTS
 from torchtitan_ext.families import Family
@@ -52,8 +54,54 @@ def flops_per_token(cfg: TitansConfig, seq_len: int) -> float:
     return flops.TRAIN * (cfg.n_layers * block + flops.linear(d, cfg.vocab_size))
 
 
+# The parts of a block compiled each on its own when compile is on (`compile_regions`).
+COMPILED_REGIONS = ("attention", "gate", "feed_forward")  # torch's own modules (the norms) cannot be compiled alone
+
+
+def compile_regions(model, backend: str) -> None:
+    """Regional torch.compile of a Titans LM, in place of torchtitan's per-block compile.
+
+    torchtitan compiles each block whole with `fullgraph=True`, which unrolls the memory's
+    chunk loop into the block's graph: compile time grows with T / chunk (one MAC block at
+    the paper's chunk 64 and T 4096 spends 107 s tracing before any code generation, and
+    Inductor took 377 s at T 1024 on a CPU: `scripts/bench_compile.py`, docs/benchmarks.md).
+    Here each block's attention, gate and SwiGLU are compiled on their own
+    (`fullgraph=True`), and the memory runs its chunk loop eagerly with every chunk step
+    compiled (`NeuralMemoryConfig.compiled_chunk_step`: one graph per shape, two with a
+    non-learned initial state), so compile time does not depend on T. The memory's
+    projections, conv and gates stay eager."""
+    for block in model.layers.values():
+        block.memory.cfg = dataclasses.replace(block.memory.cfg, compiled_chunk_step=True)
+        for name in COMPILED_REGIONS:
+            region = getattr(block, name, None)
+            if region is not None:
+                region.compile(backend=backend, fullgraph=True)
+
+
+def parallelize_titans(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+    """AC -> regional compile (`compile_regions`) -> FSDP2: torchtitan's helpers through
+    `parallelize_plain_decoder`, its per-block compile turned off."""
+    from torchtitan_ext.families.plain_model import parallelize_plain_decoder
+
+    if compile_config.enable:
+        compile_regions(model, compile_config.backend)
+        compile_config = dataclasses.replace(compile_config, enable=False)
+    return parallelize_plain_decoder(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                                     compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
+
+
+def titans_spec(flavor: str, **overrides):
+    """The family's ModelSpec: the plain-model spec with `parallelize_titans`."""
+    from torchtitan_ext.families.plain_model import plain_model_spec, torchtitan_model
+
+    config = FAMILY.config(flavor, **overrides)
+    spec = plain_model_spec(FAMILY.spec_name(config), flavor,
+                            torchtitan_model(TitansLM, TitansConfig, FAMILY.flops_per_token), config)
+    return dataclasses.replace(spec, parallelize_fn=parallelize_titans)
+
+
 FAMILY = Family(name="titans", summary="Titans: neural long-term memory as context (MAC), gate (MAG), layer (MAL), "
                 "or alone (LMM) (arXiv:2501.00663)", flavors=FLAVORS, config_class=TitansConfig, plain_class=TitansLM,
                 variant_field="variant", variants=VARIANTS, flops_per_token=flops_per_token,
-                diagnostics=memory_diagnostics)
+                diagnostics=memory_diagnostics, build_spec=titans_spec, compile_regions=compile_regions)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec
