@@ -346,13 +346,21 @@ PRETRAIN_STEPS = 800
 PRETRAIN_BATCH = 16
 
 
+def pretrain_mix(seed: int = 0) -> MixedDataLoader.Config:
+    """The backbone's pretraining data: the embedded corpus' training split, packed, and in 85%
+    of the sequences an S-NIAH row of PRETRAIN_TASK_LENGTHS tokens, the question after the
+    context, the loss on the whole row; `seed` draws the rows (which sequences are task rows,
+    and their samples)."""
+    return MixedDataLoader.Config(dataset="embedded", tasks=PRETRAIN_TASKS, lengths=PRETRAIN_TASK_LENGTHS,
+                                  task_fraction=0.85, task_labels="row", seed=seed)
+
+
 def backbone_qwen3_pretrain() -> Trainer.Config:
     """backbone_qwen3_debug's model pretrained at seq_len 256 on the embedded corpus' training
     split (packed) and, in 85% of the sequences, S-NIAH rows of 128-256 tokens with the question
     after the context, the loss on the whole row (torchtitan_ext/data/mixed_data.py; module note
     above); batches of 16, lr 3e-3, 10% warmup, cosine to 10%, validation on the held-out documents."""
     config = debug_recipe(FAMILY.model_spec("qwen3_debug"), name="backbone_qwen3_pretrain", steps=PRETRAIN_STEPS)
-    config.dataloader = MixedDataLoader.Config(dataset="embedded", tasks=PRETRAIN_TASKS, lengths=PRETRAIN_TASK_LENGTHS,
-                                               task_fraction=0.85, task_labels="row")
+    config.dataloader = pretrain_mix()
     config.training = dataclasses.replace(config.training, local_batch_size=PRETRAIN_BATCH)
     return config

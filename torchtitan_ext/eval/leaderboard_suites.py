@@ -24,10 +24,13 @@ and read with long_ppl's sliding window of `window` tokens; in the recall tasks 
 prompt's last `window` tokens. The frozen backbone and the LoRA-only control read the same way.
 "test_time" rows are whole_book.py methods on the frozen backbone (chunks of half a window
 read in a window, each scored then learned from); they answer no recall prompt.
-The grafts train from the backbone's Hugging Face folder on their configs' data: the embedded
-corpus, except GradMem and its twin, which train on KV-retrieval rows of [context | query]
-(train_configs.gradmem: `gradmem_qwen3_debug_tasks`, `gradmem_qwen3_debug_forward_tasks`, the
-twin's LoRA rank raised so that both train as many parameters within 1%).
+The grafts train from the backbone's Hugging Face folder on their configs' data: in the cpu
+suite LoRA-only, MemoryLlama and MoNe continue on the backbone's own pretraining mix (text and
+S-NIAH rows inside its window; train_configs/leaderboard.py `on_backbone_mix`), in the ci suite
+the debug configs' embedded corpus; GradMem and its twin train on KV-retrieval rows of
+[context | query] (train_configs.gradmem: `gradmem_qwen3_debug_tasks`,
+`gradmem_qwen3_debug_forward_tasks`, the twin's LoRA rank raised so that both train as many
+parameters within 1%).
 """
 
 from __future__ import annotations
@@ -210,6 +213,11 @@ HYPOTHESES = (
                (("gradmem", "gradmem_forward", "recall_beyond", "better"),)),
     Hypothesis("Locas-GLU matches TempLoRA at lower cost",
                (("locas_glu", "templora", "ppl_past", "match"), ("locas_glu", "templora", "eval_cost", "better"))),
+    # Added before the second graft run (docs/leaderboard.md): not a paper's claim but the
+    # condition under which hypothesis 3's nulls are about the memories, not the fine-tuning.
+    Hypothesis("Recipe check: the grafts' fine-tuning keeps the backbone's in-window recall "
+               "(LoRA-only matches the frozen backbone inside the window)",
+               (("lora_only", "backbone_frozen", "recall_inside", "match"),)),
 )
 
 
