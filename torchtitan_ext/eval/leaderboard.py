@@ -214,16 +214,18 @@ def markdown(results: dict) -> str:
 
 def plot(results: dict, out: Path) -> None:
     """ppl_vs_length.png (pooled perplexity per prefix length) and recall_vs_length.png (exact
-    match per length, tasks pooled), one line per row."""
+    match per length: every task pooled, and S-NIAH alone, the one task the grafts' backbone
+    was trained on), one line per row, a dotted line at each window."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for name, figure in (("ppl_vs_length", _ppl_lines), ("recall_vs_length", _recall_lines)):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        figure(results, ax)
-        ax.legend(fontsize=6, ncol=2)
+    for name, figure, panels in (("ppl_vs_length", _ppl_lines, 1), ("recall_vs_length", _recall_lines, 2)):
+        fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.5), squeeze=False)
+        figure(results, *axes[0])
+        for ax in axes[0]:
+            ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
@@ -236,14 +238,19 @@ def _ppl_lines(results: dict, ax) -> None:
     ax.set(xscale="log", yscale="log", xlabel="prefix length (tokens)", ylabel="perplexity")
 
 
-def _recall_lines(results: dict, ax) -> None:
+def _recall_lines(results: dict, pooled_ax, niah_ax) -> None:
     for name, row in results["rows"].items():
-        lengths = sorted({int(n) for task in row["recall_by_length"].values() for n in task})
+        recall = row["recall_by_length"]
+        lengths = sorted({int(n) for task in recall.values() for n in task})
         if lengths:
-            means = [_pooled_mean(row["recall_by_length"], str(n)) for n in lengths]
-            ax.plot(lengths, means, marker="o", label=name)
-    ax.axvline(results["window"], color="grey", linestyle=":")
-    ax.set(xscale="log", xlabel="context length (tokens)", ylabel="exact match (tasks pooled)", ylim=(-0.05, 1.05))
+            pooled_ax.plot(lengths, [_pooled_mean(recall, str(n)) for n in lengths], marker="o", label=name)
+            niah_ax.plot(lengths, [_pooled_mean({"s_niah": recall["s_niah"]}, str(n)) for n in lengths], marker="o",
+                         label=name)
+    for ax, title in ((pooled_ax, "every task pooled"), (niah_ax, "S-NIAH")):
+        for window in sorted({row["window"] for row in results["rows"].values()}):
+            ax.axvline(window, color="grey", linestyle=":")
+        ax.set(xscale="log", xlabel="context length (tokens; dotted: the windows)", ylabel="exact match",
+               ylim=(-0.05, 1.05), title=title)
 
 
 def _pooled_mean(recall: dict, length: str) -> float:
