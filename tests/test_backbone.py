@@ -134,6 +134,45 @@ def test_packed_documents_do_not_see_each_other_and_the_model_is_causal(float64)
         assert not torch.equal(model(changed)[:, 15:], model(tokens)[:, 15:])
 
 
+def banded_logits(model: DecoderLM, tokens: torch.Tensor, window: int) -> torch.Tensor:
+    """One pass of `model` with sliding-window attention written out: in every block, token t
+    attends to tokens t - window + 1 .. t (softmax over the band, GQA heads repeated), from
+    the block's own projections, norms and FFN."""
+    h, positions = model.tok_embeddings(tokens), torch.arange(tokens.shape[1])
+    rows, cols = positions[:, None], positions[None, :]
+    band = (cols <= rows) & (cols > rows - window)
+    for block in model.layers.values():
+        attention = block.attention
+        q, k, v = attention.project(block.attention_norm(h), positions)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~band, float("-inf"))
+        h = h + attention.wo((scores.softmax(-1) @ v).transpose(1, 2).flatten(-2))
+        h = h + block.feed_forward(block.ffn_norm(h))
+    return model.lm_head(model.norm(h))
+
+
+def test_a_bounded_stream_is_sliding_window_attention_in_every_block(float64):
+    """stream_window W, token by token: every block attends to the last W tokens only (the
+    band of `banded_logits`); a call longer than W is refused."""
+    torch.manual_seed(0)
+    window = 5
+    model = DecoderLM(DecoderLMConfig(qk_norm=True, stream_window=window)).eval()
+    tokens = torch.randint(0, 4096, (2, 13))
+    with torch.no_grad():
+        state, streamed = None, []
+        for t in range(tokens.shape[1]):
+            logits, state = model.stream(tokens[:, t:t + 1], state)
+            streamed.append(logits)
+        # RoPE's frequencies are float32 (transformers'), so the stream's absolute positions
+        # and the band's agree to rounding, not exactly
+        torch.testing.assert_close(torch.cat(streamed, 1), banded_logits(model, tokens, window), rtol=0, atol=1e-6)
+        assert (torch.cat(streamed, 1) - model(tokens)).abs().max() > 1e-3  # the band cuts something
+        assert all(cache[0].shape[2] == window for cache in state.caches)
+        with pytest.raises(ValueError, match="exceeds stream_window 5"):
+            model.stream(tokens[:, :6])
+
+
 def assert_same_logits(ours, titan) -> None:
     """Our backbone and a torchtitan model give the same logits on 2 x 80 random tokens."""
     from torchtitan.models.common.attention import create_varlen_metadata_for_document

@@ -1,5 +1,5 @@
 """scripts/leaderboard.py: the ci suite end to end on one row of each kind (from scratch,
-window-only control, backbone, graft, test-time method) and both GradMem rows (the whole ci
+window-only control, backbone, graft, the graft read as a bounded stream, test-time method) and both GradMem rows (the whole ci
 suite takes about 9 minutes, docs/leaderboard.md), its rerun skipping every cell, GradMem's
 recall prompts and perplexity segments (write_read), its twins' equal trainable parameters, the ci suite's rows covering
 every family and graft of the comparison, bad input, the paper suite's dry run at 8, 32 and 128 ranks, the cpu
@@ -20,14 +20,15 @@ from conftest import REPO
 from torchtitan_ext.eval import leaderboard_cells
 from torchtitan_ext.eval.leaderboard import combine, verdict
 from torchtitan_ext.eval.leaderboard_launch import built_model, non_embedding_params, trainable_params
-from torchtitan_ext.eval.leaderboard_suites import BABILONG_TASKS, HYPOTHESES, SUITES
+from torchtitan_ext.eval.leaderboard_suites import BABILONG_TASKS, EXPLORATORY, HYPOTHESES, SUITES
 
 
 TEST_TIME = [row.name for row in SUITES["ci"].rows if row.kind == "test_time"]
 # one row of each kind: from scratch (a streaming memory, the window-only control), the backbone,
-# a graft, a test-time method; and GradMem's two WRITEs (write_read), hypothesis 4's rows
-TEST_ROWS = ["transformer_window", "mela", "backbone_frozen", "memoryllama_alma", "locas_glu", "gradmem",
-             "gradmem_forward"]
+# a graft, the graft read as a bounded stream (its runs shared), a test-time method; and GradMem's
+# two WRITEs (write_read), hypothesis 4's rows
+TEST_ROWS = ["transformer_window", "mela", "backbone_frozen", "memoryllama_alma", "memoryllama_alma_bounded",
+             "locas_glu", "gradmem", "gradmem_forward"]
 GRADMEM_CLAIM = "The GradMem gradient WRITE beats the forward WRITE"
 
 
@@ -65,7 +66,8 @@ def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
         assert all(len(s["ci95"]) == 2 and s["per_seed"] for s in recall), name
         assert recall or row["mode"] == "sliding" and name in TEST_TIME, name
     for name, row in results["rows"].items():  # lm-eval on every export; a test-time method has none,
-        if name in TEST_TIME or row["mode"] == "write_read":  # nor GradMem, which reads after a write only
+        if name in TEST_TIME or row["mode"] in ("write_read", "bounded_stream"):  # nor GradMem, which reads after a
+            # write only, nor a bounded stream (lm-eval does not stream; its model's export is its source row's)
             assert row["zero_shot"] is None, name
             continue
         (cloze,) = row["zero_shot"].values()
@@ -73,6 +75,12 @@ def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
     trained = [n for n, r in results["rows"].items() if "train_tokens_per_s" in r["cost"]["mean"]]
     assert len(trained) == sum(r.kind in ("scratch", "graft") for r in SUITES["ci"].rows if r.name in TEST_ROWS)
     assert [h["claim"] for h in results["hypotheses"]] == [h.claim for h in HYPOTHESES]
+    assert [h["claim"] for h in results["exploratory"]] == [h.claim for h in EXPLORATORY]
+    # the bounded stream reads memoryllama_alma's checkpoints (no run of its own) with caches cut to the window
+    bounded, unbounded = results["rows"]["memoryllama_alma_bounded"], results["rows"]["memoryllama_alma"]
+    assert not (out / "runs" / "memoryllama_alma_bounded").exists() and bounded["mode"] == "bounded_stream"
+    assert bounded["cost"]["mean"]["train_tokens_per_s"] == unbounded["cost"]["mean"]["train_tokens_per_s"]
+    assert bounded["cost"]["mean"]["state_bytes"] < unbounded["cost"]["mean"]["state_bytes"]
     assert results["rows"]["gradmem"]["mode"] == results["rows"]["gradmem_forward"]["mode"] == "write_read"
     for name in ("gradmem", "gradmem_forward"):  # every length of perplexity and of recall
         assert len(results["rows"][name]["ppl_by_length"]) == 4 and results["rows"][name]["recall_beyond_window"], name
@@ -98,7 +106,8 @@ def test_the_ci_suite_has_every_family_and_graft_of_the_comparison():
     assert {row.name for row in SUITES["ci"].rows} == {
         "transformer_full", "transformer_window", "titans_mac", "titans_mag", "titans_mal", "titans_lmm", "mela",
         "mela_memory_off", "mlp_lm", "backbone_frozen", "lora_only", "memoryllama_alma", "memoryllama_gema", "mone",
-        "gradmem", "gradmem_forward", "locas_glu", "templora"}
+        "gradmem", "gradmem_forward", "locas_glu", "templora", "backbone_frozen_bounded", "lora_only_bounded",
+        "memoryllama_alma_bounded", "memoryllama_gema_bounded"}
     assert {row.name for row in SUITES["cpu"].rows} == {row.name for row in SUITES["ci"].rows}
 
 
@@ -256,7 +265,7 @@ def test_the_cpu_suites_grafts_train_as_many_parameters_within_5_percent():
     """Every trained graft of the cpu suite (its LoRA, memory, heads), the LoRA-only control too;
     the ci suite's debug configs do not (rank 8 everywhere), so the check can fail."""
     def counts(suite: str) -> dict[str, int]:
-        return {row.name: trainable_params(row) for row in SUITES[suite].rows if row.kind == "graft"}
+        return {row.name: trainable_params(row) for row in SUITES[suite].rows if row.kind == "graft" and not row.runs_of}
 
     cpu, ci = counts("cpu"), counts("ci")
     assert set(cpu) == {"lora_only", "memoryllama_alma", "memoryllama_gema", "mone", "gradmem", "gradmem_forward"}

@@ -474,3 +474,36 @@ def test_streaming_in_segments_equals_one_pass_in_float64(update, chunk, memory)
             start += length
         torch.testing.assert_close(torch.cat(outputs, 1), model(x), rtol=0, atol=1e-10)
     assert state.seen == LENGTH and state.caches[0][0].shape[2] == LENGTH  # every key kept
+
+
+def bounded_stream(model: DecoderLM, x: torch.Tensor, window: int, piece: int):
+    """x streamed in pieces of `piece` tokens with stream_window `window` -> (logits, state)."""
+    model.cfg.stream_window = window
+    outputs, state = [], None
+    with torch.no_grad():
+        for start in range(0, x.shape[1], piece):
+            out, state = model.stream(x[:, start:start + piece], state)
+            outputs.append(out)
+    return torch.cat(outputs, 1), state
+
+
+def test_a_bounded_stream_reaches_past_its_window_only_through_the_memory():
+    """stream_window W: the caches keep at most W - piece keys; a window that holds the whole
+    sequence streams as one pass (chunks aligned by position, not by the cache's length); a
+    token changed before the blocks' reach changes the last piece only when the memory is
+    awake (at the exact init the graft computes the backbone: nothing crosses)."""
+    x, changed = tokens(), tokens().clone()
+    changed[:, 0] = (changed[:, 0] + 1) % VOCAB
+    awake = awaken(tiny(layers="0,2")).double()
+    with torch.no_grad():
+        whole = awake(x)
+    torch.testing.assert_close(bounded_stream(awake, x, LENGTH, 8)[0], whole, rtol=0, atol=1e-10)
+    # each of the 3 blocks reaches at most window - 1 tokens further back (sliding-window
+    # attention): the last piece (88-95) sees nothing before token 88 - 3 * 23 = 19 but by the memory
+    window, piece = 24, 8
+    logits, state = bounded_stream(awake, x, window, piece)
+    assert state.seen == LENGTH and all(c[0].shape[2] <= window for c in state.caches)
+    assert (logits[:, -piece:] - bounded_stream(awake, changed, window, piece)[0][:, -piece:]).abs().max() > 1e-6
+    exact = tiny(layers="0,2").double()
+    torch.testing.assert_close(bounded_stream(exact, x, window, piece)[0][:, -piece:],
+                               bounded_stream(exact, changed, window, piece)[0][:, -piece:], rtol=0, atol=1e-12)

@@ -230,6 +230,19 @@ def test_streaming_in_pieces_equals_one_pass_in_float64():
     torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=0, atol=1e-12)
 
 
+def test_a_bounded_stream_is_the_unbounded_one():
+    """MoNe attends inside its segment, so stream_window (at least the piece) cuts nothing."""
+    model, x = awaken(tiny()), tokens()
+    with torch.no_grad():
+        unbounded, _ = model.stream(x)
+        model.cfg.stream_window = 2 * SEGMENT
+        state, parts = None, []
+        for start in range(0, LENGTH, 5):
+            logits, state = model.stream(x[:, start:start + 5], state)
+            parts.append(logits)
+    torch.testing.assert_close(torch.cat(parts, 1), unbounded, rtol=0, atol=1e-12)
+
+
 def test_every_graft_parameter_learns_and_the_backbone_is_frozen():
     """One backward from the last segment's loss: every graft tensor but LoRA's A (B = 0 at
     init) gets gradient, no backbone tensor needs one; the diagnostics see the writes."""

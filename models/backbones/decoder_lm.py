@@ -56,6 +56,7 @@ class DecoderLMConfig:
     max_seq_len: int = 131072  # max_position_embeddings
     init_std: float = 0.02
     graft: GraftConfig = field(default_factory=GraftConfig)  # what is grafted onto the blocks (models/grafts/graft.py)
+    stream_window: int = 0  # `DecoderLM.stream` only: each token attends to at most this many tokens (0: all)
 
     @property
     def stream_segment(self) -> int:
@@ -122,11 +123,27 @@ class DecoderLM(DecoderLMBase):
         """Logits of tokens (B, T) continuing the stream `state` (None: a new one, one
         document per row), and the state after them: every block's key / value cache (and a
         MemoryLlama block's memory state). Any split of a sequence gives its one-pass logits
-        (up to rounding): MemoryLlama's chunks stay aligned to the stream's positions."""
+        (up to rounding): MemoryLlama's chunks stay aligned to the stream's positions.
+
+        With `cfg.stream_window` W > 0 the attention is bounded instead (sliding-window
+        attention, token by token exactly): before a call of T tokens every block keeps the
+        keys and values of only the last W - T tokens before them (`keep_last`), so in each
+        block a token attends to at most W tokens, itself included (between W - T + 1 and W),
+        at distances a backbone of native context W was trained on, and the caches stay
+        bounded. As in any sliding-window model, a cached key was computed from its own window,
+        so n_layers blocks reach up to n_layers (W - 1) tokens back; beyond that only a memory
+        reaches (a MemoryLlama block's memory state is kept whole; a MoNe block attends inside
+        its segment anyway). ValueError for a call of more than W tokens."""
+        window = self.cfg.stream_window
+        if window and tokens.shape[1] > window:
+            raise ValueError(f"a stream call of {tokens.shape[1]} tokens exceeds stream_window {window}: "
+                             f"stream in pieces of at most {window} tokens")
         state = state or DecoderState((None,) * len(self.layers))
         positions = torch.arange(state.seen, state.seen + tokens.shape[1], device=tokens.device).expand_as(tokens)
         h, caches = self.tok_embeddings(tokens), []
         for block, cache in zip(self.layers.values(), state.caches):
+            if window and cache is not None:
+                cache = block.keep_last(cache, window - tokens.shape[1])
             h, cache = block.step(h, positions, cache)
             caches.append(cache)
         return self.lm_head(self.norm(h)), DecoderState(tuple(caches), state.seen + tokens.shape[1])

@@ -66,6 +66,8 @@ class GraftBlock(Protocol):
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, cache): ...  # streaming: (output, cache)
 
+    def keep_last(self, cache, tokens: int): ...  # a bounded stream's cache: attention keeps `tokens` tokens
+
 
 FORMS = {"trained_block": "a block graft a backbone's config holds (DecoderLMConfig.graft)",
          "trained_lm": "an LM of its own, trained as its family (torchtitan_ext/families/)",

@@ -102,6 +102,7 @@ from torch import nn
 
 from models.layers.flops import (attention_span, FORWARD_ONLY, linear, memory_mlp, neural_memory, newton_schulz,
                                  TRAIN)
+from models.layers.decoder import DecoderBlock
 from models.layers.graft_layers import graft_layers
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
@@ -228,10 +229,11 @@ class MemoryLlamaBlock(nn.Module):
         """The sequential part, chunk by chunk: h, x_DP, attention over the cache, the memory
         write and read. x and xn = RMSNorm(x) (B, L, dim) -> a, m (B, L, dim) each, and the
         cache after them: (keys, values (B, n_kv_heads, seen + L, head_dim), MemoryState).
-        `cache` continues a stream (chunks stay aligned to the stream's multiples of chunk_size)."""
+        `cache` continues a stream (chunks stay aligned to the stream's multiples of chunk_size,
+        counted from `positions`: a bounded stream's cache holds fewer keys than the tokens seen)."""
         keys, values, state = cache or (None, None, self.memory.empty_state(xn.shape[0], device=xn.device,
                                                                             dtype=xn.dtype))
-        seen = 0 if keys is None else keys.shape[2]
+        seen = 0 if keys is None else int(positions.reshape(-1)[0])
         queries = xn if self.cfg.query_norm else x  # eq. 4.1's input (module docstring)
         size, attended, reads = self.cfg.chunk_size, [], []
         start = 0
@@ -269,6 +271,13 @@ class MemoryLlamaBlock(nn.Module):
         """The next tokens of a stream (one document per row; `DecoderLM.stream`): x (B, L,
         dim), positions (B, L) continuing the stream's -> (output, cache)."""
         return self._block(x, positions, None, cache)
+
+    @staticmethod
+    def keep_last(cache: tuple, tokens: int) -> tuple:
+        """A stream's cache (keys, values, MemoryState) with keys and values cut to their last
+        `tokens` tokens; the memory state whole."""
+        keys, values, state = cache
+        return (*DecoderBlock.keep_last((keys, values), tokens), state)
 
     def _note_stats(self, gate: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> None:
         """The thesis' monitoring (section 4.2.2), detached: gate mean/std/min/max (the

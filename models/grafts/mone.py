@@ -332,6 +332,12 @@ class MoNeBlock(nn.Module):
         """The next tokens x (B, L, dim) of a stream (one document per row) -> (output, cache)."""
         return self._run(x, cache or self.empty_cache(x.shape[0], x))
 
+    @staticmethod
+    def keep_last(cache: MoNeCache, tokens: int) -> MoNeCache:
+        """A bounded stream's cut (`DecoderLM.stream`): nothing to cut, the attention reaches
+        no further back than the current segment (at most `segment` tokens)."""
+        return cache
+
     def end_segment(self, cache: MoNeCache) -> MoNeCache:
         """A stream's document ends: its current segment, if it holds tokens, is written now
         (short: averaged over its own tokens) -> the cache of an empty segment, where the

@@ -221,6 +221,11 @@ class DecoderBlock(nn.Module):
         x = x + self.attention.attend(q, k, v, None, xn)
         return x + self.feed_forward(self.ffn_norm(x)), (k, v)
 
+    @staticmethod
+    def keep_last(cache: tuple, tokens: int) -> tuple:
+        """A stream's cache (keys, values (B, n_kv_heads, S, head_dim)) cut to its last `tokens` tokens."""
+        return tuple(t[:, :, max(t.shape[2] - tokens, 0):] for t in cache)
+
 
 class DecoderLMBase(nn.Module):
     """A decoder LM's skeleton: token embeddings, `n_layers` DecoderBlocks, the last norm and

@@ -17,7 +17,9 @@ inconclusive otherwise; "match" is supported when the whole interval lies within
 otherwise; a recall comparison where both rows answer nothing right (exact match 0 on every
 item: the floor, where neither can show a difference) is inconclusive whatever its interval.
 A hypothesis is supported when every comparison is, not supported when any is not,
-else inconclusive at this scale; "not run" when a row it needs has no cell.
+else inconclusive at this scale; "not run" when a row it needs has no cell. The exploratory
+comparisons (leaderboard_suites.EXPLORATORY, added after a run) are answered by the same rule
+and reported apart from the hypotheses written before it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_ext.eval.leaderboard_suites import HYPOTHESES, MATCH_TOLERANCE, Suite
+from torchtitan_ext.eval.leaderboard_suites import EXPLORATORY, HYPOTHESES, Hypothesis, MATCH_TOLERANCE, Suite
 from torchtitan_ext.eval.stats import format_summary, seed_item_bootstrap, summarize_seeds
 
 
@@ -125,10 +127,10 @@ def combine(verdicts: list[str]) -> str:
     return "supported" if all(v == "supported" for v in verdicts) else "inconclusive at this scale"
 
 
-def answer_hypotheses(cells: dict[str, list[dict]]) -> list[dict]:
+def answer_hypotheses(cells: dict[str, list[dict]], hypotheses: tuple[Hypothesis, ...] = HYPOTHESES) -> list[dict]:
     """Each hypothesis with its comparisons' intervals and verdicts, and its own verdict."""
     out = []
-    for hypothesis in HYPOTHESES:
+    for hypothesis in hypotheses:
         comparisons = []
         for model, control, metric, sense in hypothesis.comparisons:
             ran = model in cells and control in cells
@@ -150,7 +152,8 @@ def report(out: Path, chosen: Suite) -> dict:
                "graft_window": chosen.graft_window,
                "training_tokens": chosen.training_tokens(), "seeds": list(chosen.seeds),
                "rows": {name: summarize_row(c) for name, c in cells.items()},
-               "hypotheses": answer_hypotheses(cells), "backbone_niah": backbone_niah(out)}
+               "hypotheses": answer_hypotheses(cells), "exploratory": answer_hypotheses(cells, EXPLORATORY),
+               "backbone_niah": backbone_niah(out)}
     (out / "leaderboard.json").write_text(json.dumps(results, indent=1))
     (out / "leaderboard.md").write_text(markdown(results))
     plot(results, out)
@@ -186,6 +189,8 @@ def markdown(results: dict) -> str:
              + ", ".join(n for n, r in results["rows"].items() if r["mode"] == "sliding")
              + "; context written into a memory, then read after it (write_read): "
              + ", ".join(n for n, r in results["rows"].items() if r["mode"] == "write_read")
+             + "; streamed with every block's attention bounded to the window (bounded_stream): "
+             + ", ".join(n for n, r in results["rows"].items() if r["mode"] == "bounded_stream")
              + ". Zero-shot: lm-eval accuracy on each row's Hugging Face export (heldout_cloze: which of four "
                "endings continues a held-out passage, chance 25%; torchtitan_ext/eval/zero_shot.py).", "",
              "| row | mode | " + " | ".join(f"ppl @{n}" for n in lengths)
@@ -203,12 +208,15 @@ def markdown(results: dict) -> str:
         lines += ["", f"The grafts' backbone (scripts/pretrain_backbone.sh, {niah['steps']} steps) on S-NIAH inside its "
                       f"{niah['window']}-token window: exact match {niah['exact_match']:.2f} "
                       f"({niah['interval'][0]:.2f}-{niah['interval'][1]:.2f}) over {niah['samples']} samples."]
-    lines += ["", "## Hypotheses (written before the run)", ""]
-    for hypothesis in results["hypotheses"]:
-        lines.append(f"- **{hypothesis['claim']}**: {hypothesis['verdict']}")
-        for c in hypothesis["comparisons"]:
-            interval = "-" if c["ci95"] is None else f"{c['ci95'][0]:.3f} to {c['ci95'][1]:.3f}"
-            lines.append(f"  - {c['model']} vs {c['control']}, {c['metric']} ({c['sense']}): {interval}: {c['verdict']}")
+    for title, key in (("Hypotheses (written before the run)", "hypotheses"),
+                       ("Exploratory comparisons (added after a run, not written before it)", "exploratory")):
+        lines += ["", f"## {title}", ""]
+        for hypothesis in results[key]:
+            lines.append(f"- **{hypothesis['claim']}**: {hypothesis['verdict']}")
+            for c in hypothesis["comparisons"]:
+                interval = "-" if c["ci95"] is None else f"{c['ci95'][0]:.3f} to {c['ci95'][1]:.3f}"
+                lines.append(f"  - {c['model']} vs {c['control']}, {c['metric']} ({c['sense']}): {interval}: "
+                             f"{c['verdict']}")
     return "\n".join(lines) + "\n"
 
 

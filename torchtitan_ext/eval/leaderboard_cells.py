@@ -113,11 +113,17 @@ def backbone_folder(out: Path, chosen: Suite) -> Path:
 
 
 def load_row(row: Row, chosen: Suite, checkpoint: Path):
-    """(long_ppl Entry, tokenizer, held-out documents) of a trained cell or the backbone folder."""
+    """(long_ppl Entry, tokenizer, held-out documents) of a trained cell or the backbone folder;
+    a bounded_stream row's is a "streaming" entry whose model attends to the last `window`
+    tokens in every block (`stream_window`)."""
     from torchtitan_ext.eval.long_ppl import load_entry
 
-    window = chosen.window_of(row) if row.mode in ("sliding", "write_read") else None
-    entry, assets = load_entry(str(checkpoint), row.config, row.mode, row.name, window, None)
+    bounded = row.mode == "bounded_stream"
+    window = chosen.window_of(row) if row.mode in ("sliding", "write_read") or bounded else None
+    entry, assets = load_entry(str(checkpoint), row.config, "streaming" if bounded else row.mode, row.name, window,
+                               None)
+    if bounded:
+        entry.model.cfg.stream_window = window
     return entry, tokenizer_of(assets), ppl_docs(chosen, assets)
 
 
@@ -356,10 +362,12 @@ def zero_shot_cell(row: Row, chosen: Suite, seed: int, out: Path, hf: Path | Non
     local zero-shot task (torchtitan_ext/eval/zero_shot.py: heldout_cloze, `zero_shot_items`
     questions written once into out/zero_shot_task), float32; None for a test-time method and
     a write_read row (GradMem reads only from a memory its
-    context was written into, and lm-eval scores a causal forward of context + ending)."""
+    context was written into, and lm-eval scores a causal forward of context + ending), and a
+    bounded_stream row (lm-eval's causal forward does not stream: its figure is the row's
+    whose model it reads)."""
     from torchtitan_ext.eval.zero_shot import CLOZE_TASK, run_lm_eval, write_cloze_task
 
-    if row.mode == "write_read" or row.kind == "test_time":
+    if row.mode in ("write_read", "bounded_stream") or row.kind == "test_time":
         return None
     folder = export_folder(row, chosen, seed, out, hf)
     tasks = out / "zero_shot_task"
@@ -371,8 +379,8 @@ def zero_shot_cell(row: Row, chosen: Suite, seed: int, out: Path, hf: Path | Non
 
 
 def cell_folder(out: Path, row: Row, seed: int) -> Path:
-    """The training run's dump folder of a cell."""
-    return out / "runs" / row.name / f"seed{seed}"
+    """The training run's dump folder of a cell (shared with the row it reads the runs of)."""
+    return out / "runs" / row.runs_name / f"seed{seed}"
 
 
 def cell_path(out: Path, row: Row, seed: int) -> Path:

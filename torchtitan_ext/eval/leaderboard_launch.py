@@ -101,9 +101,9 @@ def non_embedding_params(row: Row) -> int:
 
 def estimate(chosen: Suite, rows: tuple[Row, ...]) -> str:
     """Cells, training tokens per row, each scratch row's non-embedding parameters and each
-    trained graft's trainable parameters."""
+    trained graft's trainable parameters (a row reading another's runs trains none)."""
     params = {r.name: non_embedding_params(r) for r in rows if r.kind == "scratch"}
-    trained = {r.name: trainable_params(r) for r in rows if r.kind == "graft"}
+    trained = {r.name: trainable_params(r) for r in rows if r.kind == "graft" and not r.runs_of}
     lines = [f"suite {chosen.name}: {len(rows)} rows x {len(chosen.seeds)} seeds = {len(rows) * len(chosen.seeds)} cells, "
              f"{chosen.training_tokens():,} training tokens per from-scratch row, perplexity to {chosen.ppl_lengths()[-1]} "
              f"tokens, recall at {[chosen.window * k for k in WINDOW_MULTIPLES]} tokens "

@@ -17,6 +17,12 @@ it reads past its training context:
   of `window` tokens, each after a memory written from every token before it (the first after
   the meta-learned M_0), positions restarting at each segment (leaderboard_cells.py
   `write_read_logits`).
+- "bounded_stream" (the grafts and their controls, added after the second graft run): a stream
+  whose every block attends to the last `window` tokens only (`DecoderLM.stream` with
+  `stream_window`: sliding-window attention, its key / value caches cut), a memory carrying
+  what falls out: past the backbone's window, attention at the distances it was trained on,
+  like for like between a graft and its controls. Such a row reads the trained cells of the
+  row it names in `runs_of` (the same checkpoints), so it trains nothing of its own.
 torchtitan's llama3 has no sliding-window attention mask (its FlexAttention masks are causal,
 per document or block-causal), so the window-only Transformer++ is the same model trained on
 `window`-token sequences (as many tokens per step: a batch `seq_len / window` times larger)
@@ -49,8 +55,9 @@ BABILONG_TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
 class Row:
     """One family or graft. config: "module:function" (the frozen backbone and the test-time
     rows: the backbone's, for loading); kind: scratch | graft | backbone | test_time; mode:
-    streaming | full | sliding | write_read (module docstring); method: the whole_book.py spec of a
-    test_time row; windowed: trained on window-token sequences (the window-only control)."""
+    streaming | full | sliding | write_read | bounded_stream (module docstring); method: the
+    whole_book.py spec of a test_time row; windowed: trained on window-token sequences (the
+    window-only control); runs_of: the row whose trained cells this one reads ("": its own)."""
 
     name: str
     config: str
@@ -58,6 +65,12 @@ class Row:
     mode: str
     method: str = ""
     windowed: bool = False
+    runs_of: str = ""
+
+    @property
+    def runs_name(self) -> str:
+        """The name of the row that trains this row's checkpoints."""
+        return self.runs_of or self.name
 
 
 SCRATCH_MODES = {"transformer_full": "full", "transformer_window": "sliding", "titans_mac": "streaming",
@@ -83,6 +96,9 @@ CPU_SCRATCH = {"transformer_full": "train_configs.leaderboard:transformer_cpu",
                "mela": "train_configs.mela:mela_debug", "mela_memory_off": "train_configs.leaderboard:mela_debug_memory_off",
                "mlp_lm": "train_configs.leaderboard:mlp_lm_cpu"}
 BACKBONE_CONFIG = "train_configs.backbone:backbone_qwen3_pretrain"
+# Read again as bounded streams (and the frozen backbone): the trained grafts whose attention
+# reaches past the backbone's window when streamed (MoNe's never does: it is its own bound).
+BOUNDED_GRAFTS = ("lora_only", "memoryllama_alma", "memoryllama_gema")
 GRAFT_MODES = {"backbone_frozen": "sliding", "lora_only": "sliding", "memoryllama_alma": "streaming",
                "memoryllama_gema": "streaming", "mone": "streaming", "gradmem": "write_read",
                "gradmem_forward": "write_read"}
@@ -93,9 +109,12 @@ def graft_rows(configs: dict[str, str]) -> tuple[Row, ...]:
     names but the backbone) and the test-time methods on the backbone."""
     trained = tuple(Row(name, configs[name], "graft", mode) for name, mode in GRAFT_MODES.items()
                     if name != "backbone_frozen")
+    bounded = tuple(Row(f"{name}_bounded", configs[name], "graft", "bounded_stream", runs_of=name)
+                    for name in BOUNDED_GRAFTS)
     return (Row("backbone_frozen", BACKBONE_CONFIG, "backbone", "sliding"), *trained,
             Row("locas_glu", BACKBONE_CONFIG, "test_time", "sliding", method="locas_glu"),
-            Row("templora", BACKBONE_CONFIG, "test_time", "sliding", method="templora"))
+            Row("templora", BACKBONE_CONFIG, "test_time", "sliding", method="templora"),
+            Row("backbone_frozen_bounded", BACKBONE_CONFIG, "backbone", "bounded_stream"), *bounded)
 
 
 GRADMEM_GRAFTS = {"gradmem": "train_configs.gradmem:gradmem_qwen3_debug_tasks",
@@ -218,6 +237,22 @@ HYPOTHESES = (
     Hypothesis("Recipe check: the grafts' fine-tuning keeps the backbone's in-window recall "
                "(LoRA-only matches the frozen backbone inside the window)",
                (("lora_only", "backbone_frozen", "recall_inside", "match"),)),
+)
+
+
+# Comparisons added after a run (not written before it, so never a verdict on a paper's claim):
+# the grafts read like for like with their controls as bounded streams (docs/leaderboard.md,
+# "Second graft run"). Same intervals and verdict rule as HYPOTHESES.
+EXPLORATORY = (
+    Hypothesis("Read as bounded streams, MemoryLlama beats the LoRA-only control and the frozen backbone beyond "
+               "the window, and matches them inside",
+               tuple((f"{model}_bounded", control, metric, sense)
+                     for model in ("memoryllama_alma", "memoryllama_gema")
+                     for control in ("lora_only_bounded", "backbone_frozen_bounded")
+                     for metric, sense in (("recall_beyond", "better"), ("recall_inside", "match")))),
+    Hypothesis("The frozen backbone recalls as well read as a bounded stream as read by its sliding window",
+               (("backbone_frozen_bounded", "backbone_frozen", "recall_beyond", "match"),
+                ("backbone_frozen_bounded", "backbone_frozen", "recall_inside", "match"))),
 )
 
 
