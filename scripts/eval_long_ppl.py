@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-docs", type=int, default=16)
     parser.add_argument("--bucket", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--window", type=int, help="truncated/sliding span (default: the training seq_len)")
+    parser.add_argument("--window", type=int, help="truncated/sliding span (default: the training seq_len); "
+                        "streaming a backbone or graft: its attention's span (default: every earlier token)")
     parser.add_argument("--segment", type=int, help="streaming segment (default: the model's stream unit, at least 64 tokens)")
     parser.add_argument("--split", choices=("heldout", "all"), default="heldout",
                         help="local datasets: the held-out split training never reads, or every document")

@@ -484,3 +484,17 @@ def test_a_qwen2_folder_trains_exports_and_reloads_in_transformers(tokenizer_dir
     tokens = torch.randint(0, 4096, (2, 80), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (reloaded(tokens).logits - model.eval()(tokens)).abs().max() < 1e-4
+
+
+def test_streaming_with_a_window_bounds_the_backbones_attention(tmp_path):
+    """long_ppl's streaming entry with a window: the stream's attention keeps that many tokens
+    (`stream_window`); a segment longer than the window is one clear error."""
+    from torchtitan_ext.eval.long_ppl import load_entry
+
+    qwen3_debug_checkpoint(tmp_path)
+    config = "train_configs.backbone:backbone_qwen3_debug"
+    bounded, _ = load_entry(str(tmp_path), config, "streaming", None, 64, None)
+    unbounded, _ = load_entry(str(tmp_path), config, "streaming", None, None, None)
+    assert (bounded.model.cfg.stream_window, unbounded.model.cfg.stream_window) == (64, 0)
+    with pytest.raises(UserError, match="--segment 128 exceeds --window 64"):
+        load_entry(str(tmp_path), config, "streaming", None, 64, 128)

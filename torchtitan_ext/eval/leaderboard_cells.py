@@ -115,15 +115,13 @@ def backbone_folder(out: Path, chosen: Suite) -> Path:
 def load_row(row: Row, chosen: Suite, checkpoint: Path):
     """(long_ppl Entry, tokenizer, held-out documents) of a trained cell or the backbone folder;
     a bounded_stream row's is a "streaming" entry whose model attends to the last `window`
-    tokens in every block (`stream_window`)."""
+    tokens in every block (long_ppl's streaming with a window: `stream_window`)."""
     from torchtitan_ext.eval.long_ppl import load_entry
 
     bounded = row.mode == "bounded_stream"
     window = chosen.window_of(row) if row.mode in ("sliding", "write_read") or bounded else None
     entry, assets = load_entry(str(checkpoint), row.config, "streaming" if bounded else row.mode, row.name, window,
                                None)
-    if bounded:
-        entry.model.cfg.stream_window = window
     return entry, tokenizer_of(assets), ppl_docs(chosen, assets)
 
 

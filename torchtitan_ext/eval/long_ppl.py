@@ -14,7 +14,9 @@ Modes (one per checkpoint, or one for all):
 - streaming: memory models (Mela, Titans): segments of `--segment` tokens (default: one Mela
   chunk, or 64 tokens / one MAC window for Titans), the
   memory state carried between them, so memory use stays constant in L; the pretrained
-  backbone and its grafts stream too, carrying their key / value caches (memory grows with L);
+  backbone and its grafts stream too, carrying their key / value caches (memory grows with L),
+  or with `--window` W every block's attention bounded to the last W tokens (sliding-window
+  attention, caches cut: `DecoderLM.stream`'s `stream_window`; other models keep their own window);
 - truncated: independent blocks of `--window` tokens (default: the training seq_len), the
   context reset at each block start (a Transformer++ baseline);
 - sliding: each token sees up to `--window` earlier tokens (windows advance by half a window).
@@ -102,6 +104,11 @@ def load_entry(checkpoint: str, config: str, mode: str, label: str | None, windo
         segment = segment or max(unit, 64)
         if segment % unit:
             raise UserError(f"--segment {segment} must be a multiple of {function}'s stream segment of {unit} tokens")
+        if window and hasattr(model.cfg, "stream_window"):  # a backbone or graft: its attention bounded
+            if segment > window:
+                raise UserError(f"--segment {segment} exceeds --window {window}: a bounded stream reads at most "
+                                "--window tokens per call")
+            model.cfg.stream_window = window
     entry = Entry(label or function, model, mode, window or trainer_config.training.seq_len, segment or 0,
                   trainer_config.model_spec.model.max_seq_len)
     return entry, trainer_config.hf_assets_path
