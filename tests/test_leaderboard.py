@@ -64,7 +64,7 @@ def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
         assert row["cost"]["mean"]["eval_tokens_per_s"] > 0, name
         recall = [summary for task in row["recall_by_length"].values() for summary in task.values()]
         assert all(len(s["ci95"]) == 2 and s["per_seed"] for s in recall), name
-        assert recall or row["mode"] == "sliding" and name in TEST_TIME, name
+        assert recall, name
     for name, row in results["rows"].items():  # lm-eval on every export; a test-time method has none,
         if name in TEST_TIME or row["mode"] in ("write_read", "bounded_stream"):  # nor GradMem, which reads after a
             # write only, nor a bounded stream (lm-eval does not stream; its model's export is its source row's)
@@ -147,6 +147,22 @@ def test_a_gradmem_rows_recall_question_starts_at_restarted_positions_after_its_
     context = tokenizer.encode(sample.context, add_bos=True, add_eos=False)
     question = tokenizer.encode(sample.query, add_bos=False, add_eos=False)
     assert calls == [("write_read", context + question, len(context)), ("streaming", drawn, 0)]
+
+
+def test_a_test_time_row_answers_by_the_model_that_learned_from_the_whole_prompt(monkeypatch, tokenizer_dir):
+    """`learned` gets the whole prompt (context and question); the answer comes from the entry
+    it returns, reading the prompt's last window tokens (the backbone's sliding window)."""
+    from torchtitan_ext.data.synthetic_tasks import fit_sample
+    from torchtitan_ext.eval import tasks
+
+    tokenizer, chosen = leaderboard_cells.tokenizer_of(str(tokenizer_dir)), SUITES["ci"]
+    sliding = type("Sliding", (), {"mode": "sliding", "window": 64})()
+    adapted = type("Adapted", (), {"mode": "sliding", "window": 64})()
+    read, calls = [], []
+    monkeypatch.setattr(tasks, "answer", lambda entry, ids, new, query=0: calls.append((entry, ids)) or [])
+    leaderboard_cells.task_scores(sliding, tokenizer, chosen, "s_niah", 256, lambda ids: read.append(ids) or adapted)
+    drawn, _ = fit_sample("s_niah", random.Random("s_niah-256"), tokenizer, 256)
+    assert read == [drawn] and calls == [(adapted, drawn[-64:])]
 
 
 def test_gradmem_perplexity_reads_each_segment_after_the_memory_of_every_token_before_it():

@@ -21,6 +21,7 @@ memory written from all the tokens before it (`write_read_logits`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -228,17 +229,19 @@ def prompt_of(entry, tokenizer, task: str, sample, ids: list[int]) -> tuple[list
     return prompt, query
 
 
-def task_scores(entry, tokenizer, chosen: Suite, task: str, length: int) -> list[float]:
+def task_scores(entry, tokenizer, chosen: Suite, task: str, length: int, learned=None) -> list[float]:
     """Exact match (0/1) of each prompt of a task at one length, drawn the same for every row
     and seed (random.Random(f"{task}-{length}")), placed as the row reads it (`prompt_of`);
-    [] when the task's shortest sample does not fit the length."""
+    [] when the task's shortest sample does not fit the length. `learned` (a test-time row):
+    (the whole prompt's ids) -> the entry that answers it, a copy of `entry`'s model that has
+    learned from the prompt (`evaluate_test_time`)."""
     from torchtitan_ext.data.synthetic_tasks import fit_sample, score
     from torchtitan_ext.eval import babilong
     from torchtitan_ext.eval.tasks import answer
 
     def generate(ids: list[int], sample) -> str:
         prompt, query = prompt_of(entry, tokenizer, task, sample, ids)
-        return tokenizer.decode(answer(entry, prompt, chosen.answer_tokens, query))
+        return tokenizer.decode(answer(learned(ids) if learned else entry, prompt, chosen.answer_tokens, query))
 
     try:
         if task in BABILONG_TASKS:
@@ -251,14 +254,15 @@ def task_scores(entry, tokenizer, chosen: Suite, task: str, length: int) -> list
     return [float(score(task, generate(ids, sample), sample.answers) == 1.0) for ids, sample in drawn]
 
 
-def recall(entry, tokenizer, chosen: Suite, row: Row) -> dict:
+def recall(entry, tokenizer, chosen: Suite, row: Row, learned=None) -> dict:
     """{task: {length: [0/1 per prompt]}} at 1x-8x the row's window: S-NIAH, MK-NIAH, KV
     retrieval, BABILong qa1-qa5; greedy decoding, the question right after the context (a
-    write_read row: after the memory the context was written into)."""
+    write_read row: after the memory the context was written into; a test-time row: by its
+    model once it has learned from the prompt, `learned`)."""
     out: dict = {}
     for task in (*RECALL_TASKS, *BABILONG_TASKS):
         for length in chosen.recall_lengths(row):
-            if scores := task_scores(entry, tokenizer, chosen, task, length):
+            if scores := task_scores(entry, tokenizer, chosen, task, length, learned):
                 out.setdefault(task, {})[str(length)] = scores
     return out
 
@@ -275,17 +279,23 @@ def evaluate_model(row: Row, chosen: Suite, checkpoint: Path) -> dict:
 
 
 def evaluate_test_time(row: Row, chosen: Suite, hf: Path, seed: int) -> dict:
-    """Perplexity and eval cost of a whole_book.py method on the frozen backbone: documents
-    read in chunks of half a window inside a window, each scored before it is learned from."""
+    """Perplexity, recall and eval cost of a whole_book.py method on the frozen backbone:
+    documents read in chunks of half a window inside a window, each scored before it is
+    learned from; a recall prompt read so, whole (its question too), then answered by the model
+    that learned from it, through its sliding window as the backbone reads (`visible`)."""
     from torchtitan_ext.eval.whole_book import Protocol, read_document
 
-    entry, _, docs = load_row(row, chosen, hf)
+    entry, tokenizer, docs = load_row(row, chosen, hf)
     window = chosen.window_of(row)
     protocol = Protocol(chunk=window // 2, window=window, rank=8, seeds=(seed,))
     start = time.perf_counter()
     nll = torch.stack([read_document(entry.model, row.method, d, protocol, seed)[0] for d in docs]).float()
     seconds = time.perf_counter() - start
-    return {**ppl_figures(nll, chosen), "recall": {},
+
+    def learned(ids: list[int]):
+        return dataclasses.replace(entry, model=read_document(entry.model, row.method, ids, protocol, seed)[1].model)
+
+    return {**ppl_figures(nll, chosen), "recall": recall(entry, tokenizer, chosen, row, learned),
             "cost": {"eval_tokens_per_s": nll.numel() / seconds, "state_bytes": None}}
 
 

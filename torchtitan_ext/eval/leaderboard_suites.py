@@ -29,7 +29,8 @@ per document or block-causal), so the window-only Transformer++ is the same mode
 and read with long_ppl's sliding window of `window` tokens; in the recall tasks it sees the
 prompt's last `window` tokens. The frozen backbone and the LoRA-only control read the same way.
 "test_time" rows are whole_book.py methods on the frozen backbone (chunks of half a window
-read in a window, each scored then learned from); they answer no recall prompt.
+read in a window, each scored then learned from); a recall prompt is read so, whole, and
+answered by the model that learned from it through the backbone's sliding window.
 The grafts train from the backbone's Hugging Face folder on their configs' data: in the cpu
 suite LoRA-only, MemoryLlama and MoNe continue on the backbone's own pretraining mix (text and
 S-NIAH rows inside its window; train_configs/leaderboard.py `on_backbone_mix`), in the ci suite
