@@ -150,6 +150,9 @@ class ToyGraftBlock(torch.nn.Module):
     def step(self, x, positions, cache):
         return self(x, positions, None), cache
 
+    def keep_last(self, cache, tokens):
+        return cache
+
 
 def toy_flops(cfg, seq_len):
     """The toy block's FLOP count: no matmul changed in the backbone; the bias add, taken as

@@ -77,8 +77,8 @@ class DecoderLMConfig:
 
 class DecoderState(NamedTuple):
     """A stream's state: per block its cache (keys, values), a MemoryLlama block's (keys,
-    values, MemoryState), a MoNe block's `MoNeCache`, None before the first call; and the
-    number of tokens read so far."""
+    values, MemoryState, tokens seen), a MoNe block's `MoNeCache`, None before the first call;
+    and the number of tokens read so far."""
 
     caches: tuple
     seen: int = 0

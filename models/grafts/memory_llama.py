@@ -228,12 +228,12 @@ class MemoryLlamaBlock(nn.Module):
                             doc_positions: torch.Tensor | None, cache: tuple | None = None):
         """The sequential part, chunk by chunk: h, x_DP, attention over the cache, the memory
         write and read. x and xn = RMSNorm(x) (B, L, dim) -> a, m (B, L, dim) each, and the
-        cache after them: (keys, values (B, n_kv_heads, seen + L, head_dim), MemoryState).
-        `cache` continues a stream (chunks stay aligned to the stream's multiples of chunk_size,
-        counted from `positions`: a bounded stream's cache holds fewer keys than the tokens seen)."""
-        keys, values, state = cache or (None, None, self.memory.empty_state(xn.shape[0], device=xn.device,
-                                                                            dtype=xn.dtype))
-        seen = 0 if keys is None else int(positions.reshape(-1)[0])
+        cache after them: (keys, values (B, n_kv_heads, S, head_dim), MemoryState, tokens seen),
+        S = seen + L unless a bounded stream cut the keys (`keep_last`). `cache` continues a
+        stream (chunks stay aligned to the stream's multiples of chunk_size, counted in tokens
+        seen, a Python int: no read of a device tensor)."""
+        keys, values, state, seen = cache or (None, None, self.memory.empty_state(xn.shape[0], device=xn.device,
+                                                                                  dtype=xn.dtype), 0)
         queries = xn if self.cfg.query_norm else x  # eq. 4.1's input (module docstring)
         size, attended, reads = self.cfg.chunk_size, [], []
         start = 0
@@ -248,7 +248,7 @@ class MemoryLlamaBlock(nn.Module):
             attended.append(a)
             reads.append(m)
             start = end
-        return torch.cat(attended, 1), torch.cat(reads, 1), (keys, values, state)
+        return torch.cat(attended, 1), torch.cat(reads, 1), (keys, values, state, seen + xn.shape[1])
 
     def _block(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None, cache):
         """The whole block (eq. 4.1-4.10, then the FFN): (output, cache after x)."""
@@ -274,10 +274,10 @@ class MemoryLlamaBlock(nn.Module):
 
     @staticmethod
     def keep_last(cache: tuple, tokens: int) -> tuple:
-        """A stream's cache (keys, values, MemoryState) with keys and values cut to their last
-        `tokens` tokens; the memory state whole."""
-        keys, values, state = cache
-        return (*DecoderBlock.keep_last((keys, values), tokens), state)
+        """A stream's cache (keys, values, MemoryState, tokens seen) with keys and values cut to
+        their last `tokens` tokens; the memory state whole."""
+        keys, values, state, seen = cache
+        return (*DecoderBlock.keep_last((keys, values), tokens), state, seen)
 
     def _note_stats(self, gate: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> None:
         """The thesis' monitoring (section 4.2.2), detached: gate mean/std/min/max (the
