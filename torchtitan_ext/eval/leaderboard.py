@@ -252,8 +252,8 @@ def _recall_lines(results: dict, pooled_ax, niah_ax) -> None:
         lengths = sorted({int(n) for task in recall.values() for n in task})
         if lengths:
             pooled_ax.plot(lengths, [_pooled_mean(recall, str(n)) for n in lengths], marker="o", label=name)
-            niah_ax.plot(lengths, [_pooled_mean({"s_niah": recall["s_niah"]}, str(n)) for n in lengths], marker="o",
-                         label=name)
+            niah = {"s_niah": recall.get("s_niah", {})}  # nan where S-NIAH did not fit the length
+            niah_ax.plot(lengths, [_pooled_mean(niah, str(n)) for n in lengths], marker="o", label=name)
     for ax, title in ((pooled_ax, "every task pooled"), (niah_ax, "S-NIAH")):
         for window in sorted({row["window"] for row in results["rows"].values()}):
             ax.axvline(window, color="grey", linestyle=":")
