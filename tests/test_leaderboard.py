@@ -277,6 +277,27 @@ def test_every_trained_row_of_the_cpu_suite_has_a_hugging_face_form_for_its_zero
                 assert config.hidden_size == model.tok_embeddings.weight.shape[1], row.name
 
 
+def test_the_cpu_suites_grafts_continue_on_the_backbones_mix_at_one_lora_rate():
+    """Every trained graft of the cpu suite (not GradMem's own task rows) trains on the
+    backbone's pretraining mix with other draws, its LoRA at one rate for every row."""
+    import importlib
+
+    from train_configs.backbone import backbone_qwen3_pretrain, LORA_PARAMETERS
+
+    backbone = backbone_qwen3_pretrain().dataloader
+    for row in SUITES["cpu"].rows:
+        if row.kind != "graft" or row.runs_of or row.mode == "write_read":
+            continue
+        module, function = row.config.split(":")
+        config = getattr(importlib.import_module(module), function)()
+        mix = config.dataloader
+        assert (mix.tasks, mix.lengths, mix.task_fraction, mix.task_labels) == \
+            (backbone.tasks, backbone.lengths, backbone.task_fraction, backbone.task_labels), row.name
+        assert mix.seed != backbone.seed, row.name
+        lora = [g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups if g.pattern == LORA_PARAMETERS]
+        assert lora == [5e-4], row.name
+
+
 def test_the_cpu_suites_grafts_train_as_many_parameters_within_5_percent():
     """Every trained graft of the cpu suite (its LoRA, memory, heads), the LoRA-only control too;
     the ci suite's debug configs do not (rank 8 everywhere), so the check can fail."""

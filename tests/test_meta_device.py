@@ -101,6 +101,13 @@ def test_forward_and_backward_on_the_meta_device(family, dtype):
             _, state = model.stream(tokens[:, :32])
             streamed, _ = model.stream(tokens[:, 32:], state)
         assert streamed.device.type == "meta" and streamed.shape[1] == LENGTH - 32
+    if hasattr(getattr(model, "cfg", None), "stream_window"):  # a backbone or graft: the bounded stream too
+        model.cfg.stream_window = 24
+        with torch.device("meta"), torch.no_grad():
+            state = None
+            for start in range(0, LENGTH, 8):
+                streamed, state = model.stream(tokens[:, start:start + 8], state)
+        assert streamed.device.type == "meta" and state.seen == LENGTH
 
 
 def test_fast_weight_state_is_float32_under_a_bf16_model_on_meta():
