@@ -3,6 +3,7 @@
     python scripts/bench_models.py [--models titans_mac:400m,mela:400m] [--batch 2] [--seq-len 4096]
         [--steps 10] [--warmup 3] [--compile] [--device cuda]
     python scripts/bench_models.py --device cpu --dry-run     # every family at debug size, a few steps
+    python scripts/bench_models.py --models titans_mac:400m --device cuda --profile --json   # + top kernels, JSON
 
 A plain loop per model: the family's `models/` class built from its flavor's config, random
 tokens, cross-entropy (plus a model's own auxiliary loss, e.g. GradMem's write loss), AdamW
@@ -19,12 +20,18 @@ Transformer++: 6 x non-embedding parameters + attention, torchtitan's count, wri
 and H200: 989 TFLOP/s), else a measured matmul's FLOP/s (bf16 on CUDA, fp32 on CPU). Steps
 before `--warmup` (compilation, allocator warm-up) are not timed. `--dry-run`: debug flavors,
 fp32, batch 2, 3 steps, short sequences: proves every family builds, steps and reports.
+The first step's wall time (compilation included) is reported beside the timed steps'.
+`--profile` runs one more step under torch.profiler and reports the 10 kernels (CUDA; CPU ops
+on a CPU) with the most self time; `--json` adds one `JSON {...}` line per model
+(scripts/gpu_session.py reads them).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import math
 import sys
 import time
@@ -55,6 +62,8 @@ class Result:
     tokens_per_s: float = 0.0
     flops_per_token: float = 0.0
     peak_memory: int = 0
+    first_step_s: float = 0.0
+    top_kernels: list = dataclasses.field(default_factory=list)  # [(name, self ms per step)], --profile
     error: str = ""
 
 
@@ -139,8 +148,23 @@ def device_peak(device: torch.device, bf16: bool) -> tuple[float, str]:
     return peak, f"CPU: measured fp32 512^3 matmul {peak / 1e9:.1f} GFLOP/s"
 
 
+def top_kernels(step, device: torch.device, count: int = 10) -> list[tuple[str, float]]:
+    """[(kernel name, self milliseconds)] of the `count` kernels (CPU ops on a CPU) with the
+    most self time in one call of `step`, under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    events.sort(key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total))
+    return [(e.key[:120], (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3) for e in events[:count]]
+
+
 def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: int, steps: int, warmup: int,
-          bf16: bool, compile_model: bool) -> Result:
+          bf16: bool, compile_model: bool, profile_kernels: bool = False) -> Result:
     """Train one flavor for warmup + steps steps; tokens/s over the timed steps."""
     result = Result(name, flavor)
     model, cfg, flops_per_token = build(name, flavor)
@@ -160,18 +184,28 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = None
-    for step in range(warmup + steps):
-        if step == warmup:
-            sync()
-            start = time.perf_counter()
+
+    def train_step() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = loss_of(run, data)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    start = time.perf_counter()
+    for step in range(warmup + steps):
+        if step == warmup:
+            sync()
+            start = time.perf_counter()
+        loss = train_step()
+        if step == 0:
+            sync()
+            result.first_step_s = time.perf_counter() - start
     sync()
     result.tokens_per_s = steps * batch * seq_len / (time.perf_counter() - start)
+    if profile_kernels:
+        result.top_kernels = top_kernels(train_step, device)
     if not torch.isfinite(loss.detach()).item():  # checked once, after timing: no host sync per step
         result.error = f"loss {loss.item()} at the last step"
     if device.type == "cuda":
@@ -191,7 +225,7 @@ def parse_models(text: str | None, dry_run: bool) -> list[tuple[str, str]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help="name[:flavor],... (default: every family's paper flavor)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -203,7 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the whole model")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (always so on CPU)")
     parser.add_argument("--dry-run", action="store_true", help="debug flavors, fp32, batch 2, 3 steps, 64 tokens")
-    args = parser.parse_args(argv)
+    parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler: top 10 kernels")
+    parser.add_argument("--json", action="store_true", help="one 'JSON {...}' line per model")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.dry_run:
         args.batch, args.seq_len, args.steps, args.warmup, args.fp32 = 2, 64, 2, 1, True
     device = torch.device(args.device)
@@ -218,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, flavor in parse_models(args.models, args.dry_run):
         try:
             r = bench(name, flavor, device=device, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
-                      warmup=args.warmup, bf16=bf16, compile_model=args.compile)
+                      warmup=args.warmup, bf16=bf16, compile_model=args.compile, profile_kernels=args.profile)
         except torch.cuda.OutOfMemoryError:
             r = Result(name, flavor, error="out of memory: lower --batch or --seq-len")
             torch.cuda.empty_cache()
@@ -231,7 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         achieved = r.tokens_per_s * r.flops_per_token
         memory = f"{r.peak_memory / 2**30:9.1f}" if r.peak_memory else f"{'-':>9}"
         print(f"{name:<14} {flavor:<12} {r.params / 1e6:7.1f}M {r.tokens_per_s:10,.0f} {achieved / 1e12:8.3f} "
-              f"{achieved / peak:7.2%} {memory}")
+              f"{achieved / peak:7.2%} {memory}   first step {r.first_step_s:.1f} s")
+        for kernel, ms in r.top_kernels:
+            print(f"    {ms:9.2f} ms  {kernel}")
+        if args.json:
+            print("JSON " + json.dumps({**dataclasses.asdict(r), "mfu_percent": 100 * achieved / peak,
+                                        "peak_memory_gib": r.peak_memory / 2**30}))
     return 1 if failed else 0
 
 

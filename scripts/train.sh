@@ -12,6 +12,10 @@
 #   LOG_DIR         per-rank stdout/stderr logs [outputs/logs/<date-time>-<pid>]
 #   WANDB_MODE      [offline unless WANDB_API_KEY is set]
 #   SKIP_SETUP=1    skip `scripts/setup.sh` (e.g. on cluster nodes sharing one checkout)
+#   PYTHON          an interpreter that already has torch (>= 2.11) and the project's dependencies,
+#                   e.g. a GPU image's own `python3`, used instead of .venv: setup is skipped (it
+#                   would install the pinned torch), the checkout is put on PYTHONPATH, and the
+#                   launcher's checks name any missing package (scripts/gpu_wheels.sh fetches them)
 #   SKIP_PREFLIGHT=1  skip the launcher's checks (every rank runs them again, without the scan
 #                   of local data rows; bad input then fails inside torchrun, not with exit 2)
 #   MEMORY_BUDGET=1  on CUDA, the launcher's checks also predict the peak memory per rank and
@@ -20,8 +24,13 @@
 # Without an accelerator the run uses gloo and the CPU support in torchtitan_ext/training/cpu.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
-PY=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  [ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
+  PY=.venv/bin/python
+fi
 
 if [ "${1:-}" = "--list" ]; then exec "$PY" -m torchtitan_ext.catalogue; fi
 
@@ -57,7 +66,7 @@ export PREEMPTED_MARKER="$LOG_DIR/preempted"
 export EXIT_CODE_FILE="$LOG_DIR/exit_code"
 trap 'true' TERM
 status=0
-.venv/bin/torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
+"$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
   --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter 0 \
   -m torchtitan_ext.training.train "$@" || status=$?
 if [ -f "$PREEMPTED_MARKER" ]; then exit 75; fi

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +198,94 @@ def test_the_launchers_preflight_stops_on_a_bad_row_with_one_line_and_exit_2(tok
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: dataset file '{path}' {expected} (")
     assert lines[0].endswith("fix or remove it, or pass another --dataloader.dataset_path")
+
+
+def environment_error(capsys, argv=DEBUG) -> str:
+    """The one line (and exit code 2) of `preflight.main(argv)` run in this process."""
+    import logging
+
+    with pytest.raises(SystemExit) as exited:
+        preflight.main(list(argv))
+    logging.disable(logging.NOTSET)  # preflight.main silences torchtitan's warnings for the process
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_torch_older_than_2_11_is_one_line(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cu128")
+    line = environment_error(capsys)
+    assert line.startswith("error: torch 2.10.1+cu128 is older than 2.11, the oldest this project supports (2.11-2.13)")
+    monkeypatch.setattr(torch, "__version__", "2.11.0a0+git1234")  # a 2.11 build counts as 2.11
+    preflight.check_environment()
+
+
+def test_missing_distributions_are_named_together_with_both_fixes(capsys, monkeypatch):
+    import importlib.util
+
+    hidden = {"torchtitan", "tyro", "sentencepiece"}
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else find_spec(name, *a))
+    line = environment_error(capsys)
+    assert line.startswith(f"error: torchtitan, tyro, sentencepiece are not installed for {sys.executable}: ")
+    assert "run `bash scripts/setup.sh`" in line
+    # sentencepiece is not among the script's default wheels: the command names it
+    assert f"`bash scripts/gpu_wheels.sh DIR sentencepiece` and install them there with `{preflight.WHEELS_INSTALL}`" in line
+
+
+def test_wandb_enabled_but_missing_is_one_line(tokenizer_dir, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    args = DEBUG + ["--dump_folder", str(tmp_path), "--metrics.enable-wandb"]
+    assert environment_error(capsys, args) == ("error: wandb is not installed: pass --metrics.no-enable-wandb, or fetch "
+                                               "it with `bash scripts/gpu_wheels.sh DIR --wandb` (installed as that "
+                                               "script prints)")
+    preflight.check_wandb(cli.parse(args[:-1] + ["--metrics.no-enable-wandb"]))
+
+
+def test_launcher_check_names_packages_missing_from_the_python_it_runs(tmp_path):
+    """End to end on a real environment without tyro and datasets: the .venv's site-packages
+    linked entry by entry except theirs, run with `python -S` (no site-packages of its own)."""
+    import site
+
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    (venv_site,) = [p for p in site.getsitepackages() if p.startswith(str(REPO / ".venv"))]
+    for entry in Path(venv_site).iterdir():
+        if not entry.name.startswith(("tyro", "datasets")):
+            (packages / entry.name).symlink_to(entry)
+    run = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-S", "-m", "torchtitan_ext.training.preflight",
+                          *DEBUG], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": f"{packages}:{REPO}"})
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("error: datasets, tyro are not installed for ") and "gpu_wheels.sh DIR`" in lines[0]
+
+
+def test_gpu_wheels_pins_the_venvs_versions_once_each(tmp_path):
+    """scripts/gpu_wheels.sh asks pip for each wheel once, at the .venv's version, for CPython
+    3.12 manylinux; its default list is the one preflight's message counts on (a stand-in pip
+    records the request, as the real one needs network)."""
+    import importlib.metadata
+    import re
+
+    pip = tmp_path / "pip"
+    pip.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/request"; touch "$(dirname "$0")/wheels/x.whl"\n')
+    pip.chmod(0o755)
+    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_wheels.sh"), str(tmp_path / "wheels"), "--wandb", "tyro",
+                          "sentencepiece"], env={**os.environ, "PIP": str(pip)}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "1 wheels" in run.stdout and "--target /tmp/site" in run.stdout
+    request = (tmp_path / "request").read_text().split()
+    assert " ".join(request).startswith("download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp")
+    pins = [arg for arg in request if "==" in arg]
+    names = [re.sub(r"[-_.]+", "-", pin.split("==")[0]).lower() for pin in pins]
+    assert len(names) == len(set(names)) and {"wandb", "pydantic-core", "sentencepiece"} <= set(names)
+    assert all(pin.split("==")[1] == importlib.metadata.version(pin.split("==")[0]) for pin in pins)
+    script = (REPO / "scripts" / "gpu_wheels.sh").read_text()
+    base = re.search(r"^BASE=\((.*?)\)", script, re.S | re.M).group(1)
+    assert {pin.split("==")[0] for pin in base.split()} == preflight.GPU_WHEELS

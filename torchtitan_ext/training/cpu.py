@@ -139,18 +139,6 @@ def _patch_gloo_gradient_reduction() -> None:
     collectives._get_gradient_divide_factors = sum_then_divide
 
 
-def patch_distributed_set_timeout() -> None:
-    """torch 2.13 lacks `torch.distributed.set_timeout`, which torchtitan 0.3.0
-    calls after the first step; alias the private helper it was made from.
-    Not CPU-specific, so the launcher applies it on every device."""
-    import torch.distributed as dist
-
-    if not hasattr(dist, "set_timeout"):
-        from torch.distributed import distributed_c10d
-
-        dist.set_timeout = distributed_c10d._set_pg_timeout
-
-
 def apply() -> bool:
     """Apply the CPU support if there is no accelerator. Returns whether it applied."""
     if has_accelerator():

@@ -2,12 +2,62 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
+import sys
 import tempfile
 from pathlib import Path
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.training.cli import option_value, parse
+
+
+OLDEST_TORCH = (2, 11)
+# The modules the training entry (train.py -> torchtitan.train) imports that a GPU image with
+# its own torch may lack, as {module: distribution}: torchtitan 0.3.0 and its requirements
+# (tyro's typeguard and docstring-parser, datasets' dill and multiprocess, imported lazily or
+# transitively) and our tokenizer's sentencepiece. transformers serves only the HF conversion
+# scripts; triton comes with every CUDA torch (and must match it: no wheel of ours can fix it).
+REQUIRED = {"torchtitan": "torchtitan", "datasets": "datasets", "tyro": "tyro", "typeguard": "typeguard",
+            "docstring_parser": "docstring-parser", "torch_checkpointing": "torch-checkpointing",
+            "spmd_types": "spmd-types", "torchdata": "torchdata", "multiprocess": "multiprocess", "dill": "dill",
+            "tensorboard": "tensorboard", "safetensors": "safetensors", "tokenizers": "tokenizers",
+            "sentencepiece": "sentencepiece"}
+# What `scripts/gpu_wheels.sh DIR` fetches without extra names (its BASE list).
+GPU_WHEELS = {"torchtitan", "datasets", "tyro", "typeguard", "docstring-parser", "torch-checkpointing", "spmd-types",
+              "torchdata", "multiprocess", "dill", "typing-extensions"}
+WHEELS_INSTALL = ("python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site DIR/*.whl && "
+                  "export PYTHONPATH=/tmp/site")
+
+
+def check_environment() -> None:
+    """This Python has a torch this project supports and every distribution the training
+    path imports. Runs before anything imports torchtitan, so that an image's own python
+    (`PYTHON=python3 bash scripts/train.sh`) without them gets one line naming all of them
+    and the fix, not the first ImportError's traceback. `find_spec` imports nothing."""
+    import torch
+
+    version = torch.__version__
+    if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups()) < OLDEST_TORCH:
+        raise UserError(f"torch {version} is older than 2.11, the oldest this project supports (2.11-2.13): use a "
+                        "python with a newer torch, or the pinned environment (unset PYTHON; bash scripts/setup.sh)")
+    missing = [dist for module, dist in REQUIRED.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        extra = "".join(f" {dist}" for dist in missing if dist not in GPU_WHEELS)
+        raise UserError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed for "
+                        f"{sys.executable}: with the pinned environment run "
+                        f"`bash scripts/setup.sh`; on an image with its own torch fetch them where pip has network "
+                        f"with `bash scripts/gpu_wheels.sh DIR{extra}` and install them there with `{WHEELS_INSTALL}`")
+
+
+def check_wandb(config) -> None:
+    """wandb is importable when the config logs to it (torchtitan imports it only when the
+    logger is built, after the model: a late traceback otherwise). Our recipes enable it;
+    GPU images seldom have it (a dozen dependencies), hence the flag that turns it off."""
+    if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("wandb is not installed: pass --metrics.no-enable-wandb, or fetch it with "
+                        "`bash scripts/gpu_wheels.sh DIR --wandb` (installed as that script prints)")
 
 
 def world_size() -> int:
@@ -158,8 +208,6 @@ def warn_memory_budget(config, world: int) -> str | None:
     device 0's memory, printed and returned; else None. Opt-in: the meta-device simulation
     takes 1.5 minutes (transformer_400m, titans_mac_400m) to 13 minutes (mela_400m) at the
     papers' shapes. A warning, not an error: the prediction leaves out allocator overheads."""
-    import sys
-
     import torch
 
     if os.environ.get("MEMORY_BUDGET") != "1" or not torch.cuda.is_available():
@@ -180,6 +228,7 @@ def check(config, world: int | None = None, explicit_local_batch: bool = False, 
     from torchtitan_ext.training.checkpoints import resume_plan
 
     world = world_size() if world is None else world
+    check_wandb(config)
     fitted_local_batch(config, world, explicit_local_batch)
     check_seq_len(config)
     check_model_builds(config)
@@ -197,16 +246,17 @@ def check(config, world: int | None = None, explicit_local_batch: bool = False, 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m torchtitan_ext.training.preflight <train args>`: exit 0 if the config is usable, else
-    print one line and exit 2. The launcher runs it before torchrun."""
+    print one line and exit 2. The launcher runs it before torchrun. The environment is checked
+    first: `cpu.apply` and `parse` import torchtitan."""
     import logging
-    import sys
 
     from torchtitan_ext.training import cpu
 
     logging.disable(logging.WARNING)  # the check speaks in one line; torchtitan's config warnings wait for the run
-    cpu.apply()
     argv = sys.argv[1:] if argv is None else argv
     try:
+        check_environment()
+        cpu.apply()
         check(parse(argv), explicit_local_batch=option_value(argv, "--training.local_batch_size") is not None, rows=True)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,16 +10,21 @@ STEP = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([0-9.eE+-]+|nan|inf)"
 TPS = re.compile(r"tps:\s*([0-9,]+)")
 MFU = re.compile(r"mfu:\s*([0-9.]+%|N/A)")
 TFLOPS = re.compile(r"tflops:\s*([0-9.]+)")
+GRAD_NORM = re.compile(r"grad_norm:\s*([0-9.eE+-]+|nan|inf)")
 
 
-def parse_steps(text: str) -> dict[int, dict[str, float]]:
-    """Log text -> {step: {"loss", and "tps", "tflops", "mfu" (percent; nan when N/A) where logged}}."""
+def parse_steps(text: str, grad_norm: bool = False) -> dict[int, dict[str, float]]:
+    """Log text -> {step: {"loss", and "tps", "tflops", "mfu" (percent; nan when N/A) where logged}}.
+    `grad_norm`: also "grad_norm" where logged (opt-in, so the entries the callers compare whole
+    keep their keys; scripts/check_torch_compat.py compares it step by step)."""
     steps = {}
     for line in ANSI.sub("", text).splitlines():
         match = STEP.search(line)
         if not match:
             continue
         entry = {"loss": float(match.group(2))}
+        if grad_norm and (norm := GRAD_NORM.search(line)):
+            entry["grad_norm"] = float(norm.group(1))
         if tps := TPS.search(line):
             entry["tps"] = float(tps.group(1).replace(",", ""))
         if tflops := TFLOPS.search(line):

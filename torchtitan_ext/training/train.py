@@ -1,7 +1,8 @@
 """Training entry point: `python -m torchtitan_ext.training.train --module M --config F [--section.key value ...]`.
 
 Runs torchtitan 0.3.0's own `torchtitan.train.main` after
-1. the CPU support (only without an accelerator) and the torch 2.13 `set_timeout` alias,
+1. the CPU support (only without an accelerator); the torch-version mends (`torch_compat`) are
+   in place from the import of `torchtitan_ext`,
 2. the command line parsed (`cli.py`) and checked (`preflight.py`), so that bad input ends
    with one line naming the problem and the fix, and exit code 2, before any work,
 3. fitting the local batch to the data-parallel degree (`preflight.fitted_local_batch`:
@@ -62,7 +63,6 @@ def _resume_args(config) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cpu.patch_distributed_set_timeout()
     cpu.apply()
     from torchtitan_ext.training import cli, preflight
 
@@ -78,6 +78,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"train: local batch {config.training.local_batch_size} -> {local_batch} sequences to fit the global "
                   f"batch of {config.training.global_batch_size} on {preflight.world_size()} ranks", flush=True)
         argv = [*argv, "--training.local_batch_size", str(local_batch)]
+    from torchtitan_ext import torch_compat
+
+    if graph_args := torch_compat.cuda_graph_args(config):
+        if _rank() == 0:
+            print(f"train: torchtitan's CUDA-graph step is off: torch {torch_compat.torch.__version__} cannot replay "
+                  "flex-attention masks across steps (torch >= 2.13 can)", flush=True)
+        argv = [*argv, *graph_args]
     try:
         argv = [*argv, *_resume_args(config)]
     except UserError as e:

@@ -1,0 +1,332 @@
+"""The one prepared script of a GPU lease (run through scripts/gpu_session.sh; <= 9 minutes on one H100).
+
+    bash scripts/gpu_session.sh [--only main,perf] [--models transformer,mela,titans_mac] [--steps 3]
+        [--budget-s 510] [--out DIR] [--dry-run] [--debug]
+
+Sections (`--only` picks some, so that a rerun fits what is left of a lease):
+  main  the main job, end to end through scripts/train.sh (torchtitan's Trainer: FSDP2 on one
+        rank, bf16 parameters, compile and activation checkpointing as the recipe says), for
+        transformer_400m, mela_400m and titans_mac_400m in that order (riskiest last): `--steps`
+        steps at seq 4096, batch 2, on the embedded corpus with the offline tokenizer (the model
+        keeps the paper's 32,000-entry vocabulary; no download), one validation pass on the
+        last step (the tied-embedding path of Mela), a DCP checkpoint there; then a second
+        launch resumes and trains one more step; then that checkpoint is converted to Hugging
+        Face and loaded with transformers, whose logits must equal ours
+        (scripts/check_hf_export.py). Reported: tokens/s and MFU of the last step, peak memory,
+        the first step's wall time (compilation included) against a later step's.
+  perf  scripts/bench_models.py (a plain loop, no torchtitan) at seq 4096, batch 2, bf16
+        autocast, fp32 fast weights: the same three models eager and compiled, tokens/s, MFU,
+        peak memory and the first step's time, and the profiler's top 10 CUDA kernels of
+        one step of each (`--profile`).
+Every command runs under the time left of `--budget-s` (each is cut at it; what does not start
+in time is reported as skipped). Results: one markdown table (`gpu_session.md`) and a JSON
+(`gpu_session.json`) under `--out`, beside one log per model of main and one of perf; checkpoints and
+exports go to `--work` (large: about 5 GB per 400m model).
+`--dry-run` prints every command and checks that each parses (the training commands through
+the launcher's own checks), without running any. `--debug` runs the same sections on the CPU
+with the debug configs at seq 256 (tests/test_gpu_session.py: the pipeline end to end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from torchtitan_ext.training.run_log import ANSI, last_line, parse_steps
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {  # name -> config module; the order runs cheapest and safest first
+    "transformer": "train_configs.transformer",
+    "mela": "train_configs.mela",
+    "titans_mac": "train_configs.titans",
+}
+SECTIONS = ("main", "perf")
+BATCH = 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Where the sections run: the lease's (400m flavors, seq 4096, CUDA) or `--debug`'s."""
+    flavor: str
+    seq_len: int
+    device: str
+
+    def config(self, model: str) -> tuple[str, str]:
+        """(config module, config function) of `model` at this shape."""
+        return MODELS[model], f"{model}_{self.flavor}"
+
+
+LEASE, DEBUG = Shape("400m", 4096, "cuda"), Shape("debug", 256, "cpu")
+TIMEOUT_S = {"train": 240, "resume": 150, "hf": 120, "perf": 150}  # per command, before the budget's cut
+TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+MEMORY = re.compile(r"memory:\s*([0-9.]+)GiB")
+
+
+@dataclass
+class Outcome:
+    """One model's results in one section."""
+    model: str
+    section: str
+    status: str = "skipped"  # ok / failed: <why> / skipped: <why>
+    figures: dict = field(default_factory=dict)
+
+
+def train_args(model: str, shape: Shape, work: Path, steps: int, tokenizer: Path) -> list[str]:
+    """scripts/train.sh arguments of the main section's first launch (the resume adds steps)."""
+    module, config = shape.config(model)
+    return ["--module", module, "--config", config, "--dump_folder", str(work / config),
+            "--hf_assets_path", str(tokenizer), "--dataloader.dataset", "embedded",
+            "--training.seq_len", str(shape.seq_len), "--training.global_batch_size", str(BATCH),
+            "--training.local_batch_size", str(BATCH), "--training.steps", str(steps),
+            "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", str(steps),
+            "--validator.freq", str(steps), "--validator.steps", "2",
+            "--validator.dataloader.dataset", "embedded_validation",
+            "--metrics.log_freq", "1", "--metrics.no-enable-wandb"]
+
+
+def with_steps(args: list[str], steps: int) -> list[str]:
+    """`args` with --training.steps set to `steps`."""
+    i = args.index("--training.steps")
+    return [*args[: i + 1], str(steps), *args[i + 2:]]
+
+
+def hf_args(model: str, shape: Shape, work: Path, step: int) -> list[str]:
+    module, config = shape.config(model)
+    return ["--module", module, "--config", config, "--checkpoint", str(work / config / "checkpoint" / f"step-{step}"),
+            "--out", str(work / f"{config}_hf"), "--device", shape.device, "--length", str(min(1024, shape.seq_len))]
+
+
+def perf_args(model: str, shape: Shape, compiled: bool) -> list[str]:
+    return ["--models", f"{model}:{shape.flavor}", "--seq-len", str(shape.seq_len), "--batch", str(BATCH),
+            "--steps", "3", "--warmup", "1", "--device", shape.device, "--profile", "--json",
+            *(["--compile"] if compiled else [])]
+
+
+def seconds_between(log: str, first: str, then: re.Pattern) -> float | None:
+    """Seconds from the log line containing `first` to the next line matching `then`."""
+    start = None
+    for line in ANSI.sub("", log).splitlines():
+        stamp = TIMESTAMP.search(line)
+        if not stamp:
+            continue
+        moment = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        if start is None and first in line:
+            start = moment
+        elif start is not None and then.search(line):
+            return (moment - start).total_seconds()
+    return None
+
+
+def step_figures(log: str, tokens_per_step: int) -> dict:
+    """Figures of a training launch's log: last step's tokens/s, TFLOP/s and MFU, the peak
+    memory, the first step's seconds (compilation included) and a later step's."""
+    steps = parse_steps(log)
+    if not steps:
+        return {}
+    last = steps[max(steps)]
+    plain = ANSI.sub("", log)
+    memory = [float(m) for m in MEMORY.findall(plain)]
+    figures = {"steps": sorted(steps), "loss": [steps[s]["loss"] for s in sorted(steps)],
+               "tokens_per_s": last.get("tps"), "tflops": last.get("tflops"), "mfu_percent": last.get("mfu"),
+               "peak_memory_gib": max(memory) if memory else None,
+               "first_step_s": seconds_between(log, "Training starts at step", re.compile(r"(?<!validate )step:\s*1\s"))}
+    if last.get("tps"):
+        figures["later_step_s"] = tokens_per_step / last["tps"]
+    return figures
+
+
+class Session:
+    def __init__(self, args):
+        self.args = args
+        self.deadline = time.monotonic() + args.budget_s
+        self.python = os.environ.get("PYTHON", sys.executable)
+        self.shape = DEBUG if args.debug else LEASE
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, command: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int | str, str]:
+        """Run `command` (output appended to `log`) under min(timeout, the budget left).
+        Returns (exit code or "timeout" / "no time left", its output)."""
+        limit = min(timeout, self.left())
+        if limit < 20:
+            return "no time left", ""
+        print(f"$ {shlex.join(command)}   (limit {limit:.0f} s)", flush=True)
+        start = time.monotonic()
+        with log.open("a") as out:
+            out.write(f"\n$ {shlex.join(command)}\n")
+            out.flush()
+            try:
+                proc = subprocess.run(command, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, timeout=limit, start_new_session=True)
+                code, text = proc.returncode, proc.stdout
+            except subprocess.TimeoutExpired as e:
+                text = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
+                code = "timeout"
+            out.write(text)
+            out.write(f"\n# exit {code} after {time.monotonic() - start:.0f} s\n")
+        print(f"  -> {code} after {time.monotonic() - start:.0f} s: {last_line(text)[:200]}", flush=True)
+        return code, text
+
+    def train_command(self, args: list[str]) -> list[str]:
+        return ["bash", "scripts/train.sh", *args]
+
+    def main_section(self, model: str) -> Outcome:
+        outcome, work, steps, shape = Outcome(model, "main"), self.args.work, self.args.steps, self.shape
+        log = self.args.out / f"main_{model}.log"
+        first = train_args(model, shape, work, steps, self.args.tokenizer)
+        env = {"PYTHON": self.python, "WANDB_MODE": "disabled"}
+        code, text = self.run(self.train_command(first), log, TIMEOUT_S["train"], env)
+        outcome.figures = step_figures(text, shape.seq_len * BATCH)
+        if code != 0:
+            outcome.status = f"failed: train exit {code}: {last_line(text)[:160]}"
+            return outcome
+        checkpoint = work / shape.config(model)[1] / "checkpoint" / f"step-{steps}" / ".metadata"
+        validated = "validate step:" in ANSI.sub("", text)
+        code, text = self.run(self.train_command(with_steps(first, steps + 1)), log, TIMEOUT_S["resume"], env)
+        resumed = parse_steps(text)
+        outcome.figures["resume"] = {"steps": sorted(resumed), "loss": [resumed[s]["loss"] for s in sorted(resumed)],
+                                     "first_step_s": seconds_between(text, "Training starts at step",
+                                                                     re.compile(r"(?<!validate )step:\s*\d+\s"))}
+        # A resumed launch trains step steps+1 only: it loaded the checkpoint instead of starting over.
+        resume_ok = code == 0 and sorted(resumed) == [steps + 1] and checkpoint.exists()
+        if not resume_ok:
+            outcome.status = f"failed: resume exit {code}, steps {sorted(resumed)}: {last_line(text)[:160]}"
+            return outcome
+        code, text = self.run([self.python, "scripts/check_hf_export.py", *hf_args(model, shape, work, steps + 1)], log,
+                              TIMEOUT_S["hf"])
+        outcome.figures["hf_export"] = last_line(text)
+        outcome.figures["validated"] = validated
+        outcome.status = "ok" if code == 0 and validated else f"failed: hf export exit {code} / validation {validated}"
+        return outcome
+
+    def perf_section(self, model: str) -> Outcome:
+        outcome = Outcome(model, "perf")
+        log = self.args.out / "perf.log"
+        for mode, compiled in (("eager", False), ("compiled", True)):
+            code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, compiled)], log,
+                                  TIMEOUT_S["perf"])
+            rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
+            outcome.figures[mode] = rows[0] if rows and code == 0 else {"error": f"exit {code}: {last_line(text)[:160]}"}
+        failed = [m for m, f in outcome.figures.items() if "error" in f]
+        outcome.status = "ok" if not failed else f"failed: {', '.join(failed)}"
+        return outcome
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """The markdown table of every outcome."""
+    lines = ["| section | model | status | tokens/s | MFU % | peak GiB | first step s | detail |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def fmt(x, spec=",.0f"):
+        return "-" if x is None else format(x, spec)
+
+    for o in outcomes:
+        f = o.figures
+        if o.section == "main":
+            detail = f"loss {f.get('loss')}; resume {f.get('resume', {}).get('steps')}; {f.get('hf_export', '')}"
+            lines.append(f"| main | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} | {fmt(f.get('mfu_percent'), '.1f')} "
+                         f"| {fmt(f.get('peak_memory_gib'), '.1f')} | {fmt(f.get('first_step_s'), '.0f')} | {detail} |")
+        else:
+            for mode in ("eager", "compiled"):
+                r = f.get(mode, {})
+                lines.append(f"| perf {mode} | {o.model} | {r.get('error', o.status)} | {fmt(r.get('tokens_per_s'))} "
+                             f"| {fmt(r.get('mfu_percent'), '.1f')} | {fmt(r.get('peak_memory_gib'), '.1f')} "
+                             f"| {fmt(r.get('first_step_s'), '.0f')} | top kernels: {r.get('top_kernels', [])[:3]} |")
+    return "\n".join(lines)
+
+
+def dry_run(session: Session) -> int:
+    """Print every command and check each parses; 0 when all do."""
+    from torchtitan_ext.errors import UserError
+    from torchtitan_ext.training import cli, preflight
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_models
+    import check_hf_export
+
+    a, shape, failures = session.args, session.shape, 0
+    for model in a.models:
+        commands = []
+        if "main" in a.only:
+            first = train_args(model, shape, a.work, a.steps, a.tokenizer)
+            commands += [("train", first), ("train", with_steps(first, a.steps + 1)),
+                         ("hf", hf_args(model, shape, a.work, a.steps + 1))]
+        if "perf" in a.only:
+            commands += [("perf", perf_args(model, shape, False)), ("perf", perf_args(model, shape, True))]
+        for kind, args in commands:
+            try:
+                if kind == "train":
+                    preflight.check(cli.parse(args), explicit_local_batch=True)
+                    shown = ["bash", "scripts/train.sh", *args]
+                else:
+                    (check_hf_export.parser() if kind == "hf" else bench_models.parser()).parse_args(args)
+                    shown = ["python", "scripts/check_hf_export.py" if kind == "hf" else "scripts/bench_models.py", *args]
+                print(f"ok     {shlex.join(shown)}")
+            except (UserError, SystemExit) as e:
+                failures += 1
+                print(f"FAIL   {kind} {shlex.join(args)}: {e}")
+    return int(failures > 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma-separated: {', '.join(SECTIONS)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    p.add_argument("--steps", type=int, default=2, help="training steps of the main section's first launch")
+    p.add_argument("--budget-s", type=float, default=510, help="wall-clock seconds for everything")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "outputs" / "gpu_session"))
+    p.add_argument("--work", type=Path, default=Path("/tmp/gpu_session"), help="checkpoints and exports")
+    p.add_argument("--dry-run", action="store_true", help="print every command, check each parses, run none")
+    p.add_argument("--debug", action="store_true", help="debug configs at seq 256 on the CPU")
+    args = p.parse_args(argv)
+    args.only = args.only.split(",")
+    args.models = args.models.split(",")
+    for value, allowed, flag in ((args.only, SECTIONS, "--only"), (args.models, MODELS, "--models")):
+        if unknown := [v for v in value if v not in allowed]:
+            p.error(f"{flag}: unknown {unknown}; choose from {', '.join(allowed)}")
+    from torchtitan_ext.paths import default_tokenizer_dir
+
+    args.tokenizer = default_tokenizer_dir()
+    session = Session(args)
+    if args.dry_run:
+        sys.exit(dry_run(session))
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    versions = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    print(f"gpu_session: {versions}", flush=True)
+    outcomes = []
+    for section in args.only:
+        for model in args.models:
+            outcome = getattr(session, f"{section}_section")(model) if session.left() > 20 else \
+                Outcome(model, section, "skipped: budget spent")
+            outcomes.append(outcome)
+            print(f"{section} {model}: {outcome.status}", flush=True)
+            (args.out / "gpu_session.json").write_text(json.dumps(
+                {"versions": versions, "outcomes": [asdict(o) for o in outcomes]}, indent=1))
+    text = f"GPU session {versions}\n\n{table(outcomes)}\n"
+    (args.out / "gpu_session.md").write_text(text)
+    print(text, flush=True)
+    sys.exit(0 if all(o.status == "ok" for o in outcomes) else 1)
+
+
+if __name__ == "__main__":
+    main()
