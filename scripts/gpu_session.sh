@@ -7,8 +7,8 @@
 #
 # Environment (defaults in brackets):
 #   PYTHON   the interpreter with torch [python3 where .venv is absent, else .venv/bin/python]
-#   WHEELS   a folder of wheels installed first with pip --target /tmp/site and put on
-#            PYTHONPATH [.whl, when it exists]; made where pip has network by
+#   WHEELS   a folder of wheels installed with pip --target /tmp/site and put on PYTHONPATH
+#            when PYTHON has no torchtitan [.whl]; made where pip has network by
 #            `bash scripts/gpu_wheels.sh .whl`
 # On the device tool: carry .whl, and `bash scripts/gpu_session.sh --out $OUT`.
 # `--dry-run` (CPU is fine) prints every command and checks that each parses. What each section
@@ -20,7 +20,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 export PYTHON
 WHEELS=${WHEELS:-.whl}
-if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+if ! "$PYTHON" -c "import torchtitan" 2>/dev/null && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi

@@ -1,0 +1,66 @@
+"""The GPU lease script (scripts/gpu_session.sh / .py) on the CPU: its dry run parses every
+command it would run on the H100, and it reads torchtitan's logs into the figures it reports.
+(`--debug` runs its sections end to end on the CPU; by hand, 2-4 minutes a model.)"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import REPO, load_script
+
+gpu_session = load_script("gpu_session")
+
+LOG = """\
+[titan] 2026-11-26 17:28:04,286 - root - INFO - Training starts at step 1
+[titan] 2026-11-26 17:28:50,664 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss: 10.47437  grad_norm: 52.9876  memory: 13.15GiB(16.61%)  tps: 166  tflops: 0.40  mfu: 0.04%
+[titan] 2026-11-26 17:28:58,352 - root - INFO - validate step:  1  loss:  9.3415  memory: 13.99GiB(17.67%)  tps: 2,131
+[titan] 2026-11-26 17:29:01,695 - root - INFO - step:  2  loss:  9.47334  grad_norm: 42.8280  memory: 14.16GiB(17.88%)  tps: 2,451  tflops: 5.95  mfu: 0.60%
+"""
+
+
+def test_dry_run_checks_every_lease_command_and_exits_0():
+    run = subprocess.run(["bash", "scripts/gpu_session.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    checked = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
+    # 3 models x (train, resume, hf export, perf eager, perf compiled), all parsed
+    assert len(checked) == 15 and all(line.startswith("ok ") for line in checked), run.stdout
+    for config in ("transformer_400m", "mela_400m", "titans_mac_400m"):
+        trains = [line for line in checked if f"--config {config} " in line and "train.sh" in line]
+        assert [("--training.steps 2" in t, "--training.steps 3" in t) for t in trains] == [(True, False), (False, True)]
+    assert all("--training.seq_len 4096" in line for line in checked if "train.sh" in line)
+
+
+def test_dry_run_of_a_bad_section_is_one_line_exit_2():
+    run = subprocess.run(["bash", "scripts/gpu_session.sh", "--dry-run", "--only", "speed"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--only: unknown ['speed']" in run.stderr
+
+
+def test_dry_run_names_a_flag_the_script_does_not_take(monkeypatch, capsys):
+    perf_args = gpu_session.perf_args
+    monkeypatch.setattr(gpu_session, "perf_args", lambda *a: [*perf_args(*a), "--bogus"])
+    with pytest.raises(SystemExit) as stop:
+        gpu_session.main(["--dry-run", "--only", "perf", "--models", "mela"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 1 and out.count("FAIL") == 2 and "unknown flags ['--bogus']" in out
+
+
+def test_figures_read_from_a_training_log():
+    figures = gpu_session.step_figures(LOG, tokens_per_step=8192)
+    assert figures["steps"] == [1, 2] and figures["loss"] == [10.47437, 9.47334]
+    assert figures["tokens_per_s"] == 2451 and figures["mfu_percent"] == 0.6 and figures["tflops"] == 5.95
+    assert figures["peak_memory_gib"] == 14.16  # the largest of every line, validation included
+    assert abs(figures["first_step_s"] - 46.378) < 1e-9  # "Training starts" -> the step-1 line
+    assert abs(figures["later_step_s"] - 8192 / 2451) < 1e-9
+    assert gpu_session.step_figures("no steps here", 8192) == {}
+
+
+def test_resume_arguments_change_only_the_step_count():
+    args = gpu_session.train_args("mela", gpu_session.LEASE, REPO / "work", 2, REPO / "tok")
+    resumed = gpu_session.with_steps(args, 3)
+    changed = [(a, b) for a, b in zip(args, resumed) if a != b]
+    assert changed == [("2", "3")] and len(args) == len(resumed)
+    assert args[args.index("--training.steps") + 1] == "2"
