@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import sys
@@ -41,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_ext import flops
-from torchtitan_ext.families import MODULES
+from torchtitan_ext.families import family_and_overrides
 from torchtitan_ext.training.cpu import measured_matmul_flops
 
 # Each family's paper-sized flavor and its CPU debug flavor ("<family>[_<variant>]": flavor).
@@ -67,18 +66,6 @@ class Result:
     error: str = ""
 
 
-def load_family(name: str):
-    """(Family, config overrides) of "<family>[_<variant>]"."""
-    for module in MODULES:
-        if name == module or name.startswith(module + "_"):
-            family = importlib.import_module(f"torchtitan_ext.families.{module}").FAMILY
-            variant = name[len(module) + 1:]
-            if variant and variant not in family.variants:
-                raise ValueError(f"'{name}': {module} has variants {family.variants}")
-            return family, ({family.variant_field: variant} if variant else {})
-    raise ValueError(f"unknown model '{name}': one of {sorted(PAPER)}")
-
-
 def transformer_flops(cfg, seq_len: int) -> float:
     """torchtitan's count for its llama3: 6 x non-embedding parameters + attention scores and values."""
     block = flops.decoder_block_linears(cfg) + flops.attention_span(cfg.n_heads * cfg.head_dim, seq_len)
@@ -89,7 +76,7 @@ def build(name: str, flavor: str):
     """(plain model, its config, flops_per_token(seq_len)) of a family flavor, torchtitan-free.
     The Transformer++ is torchtitan's llama3 in training; here the same shape as the project's
     plain Llama decoder (models/backbones/decoder_lm.py; only its RoPE layout differs)."""
-    family, overrides = load_family(name)
+    family, overrides = family_and_overrides(name)
     cfg = family.config(flavor, **overrides)
     if family.name == "transformer":
         from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
@@ -175,12 +162,12 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     run = model
     if compile_model:  # as the family's training compiles it: by regions (Titans), else the whole model
-        regions = load_family(name)[0].compile_regions
+        regions = family_and_overrides(name)[0].compile_regions
         if regions is None:
             run = torch.compile(model)
         else:
             regions(model, "inductor")
-    data = inputs(load_family(name)[0].name, batch, seq_len, cfg.vocab_size, device)
+    data = inputs(family_and_overrides(name)[0].name, batch, seq_len, cfg.vocab_size, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -144,6 +144,18 @@ def family_of_spec(spec_name: str) -> Family:
                      "(torchtitan_ext/families/__init__.py)")
 
 
+def family_and_overrides(name: str) -> tuple[Family, dict]:
+    """(Family, config overrides) of "<family>[_<variant>]" (e.g. "titans_mac": the titans
+    family with its variant field set to "mac"); ValueError naming the choices if none."""
+    for family in families().values():
+        if name == family.name or name.startswith(family.name + "_"):
+            variant = name[len(family.name) + 1:]
+            if variant and variant not in family.variants:
+                raise ValueError(f"'{name}': {family.name} has variants {family.variants}")
+            return family, ({family.variant_field: variant} if variant else {})
+    raise ValueError(f"unknown model '{name}': one of {sorted(families())}, with a variant where it has them")
+
+
 def family_of_config(config) -> Family:
     """The family whose config dataclass `config` is."""
     for family in families().values():

@@ -1,0 +1,138 @@
+"""Multi-query associative recall (MQAR; Zoology, Arora et al. 2023, section 3) and a small
+plain-torch training loop over the family registry: the recall yardstick at CPU scale.
+
+A sequence is `num_kv` key-value pairs (keys from the first half of the vocabulary, values from
+the second, so a model cannot confuse them), then the rest of the sequence, where each key is
+asked again once at a power-law distance (most soon after the pairs, some late: Zoology's
+`power_a` 0.01) and followed by its value; every other position holds a random token. Loss and
+accuracy count only the positions whose next token is a recalled value (Zoology's rule).
+
+`build_model(name, **fields)`: a family's model at any width ("transformer": torchtitan's
+llama3, the Transformer++ users train; the others their plain `models/` class), from the
+family's debug flavor with `fields` overriding it. `train(model, task, ...)`: AdamW, a fixed
+number of steps on fresh batches, accuracy on a held-out batch every `eval_every` steps; the
+run stops early (`nonfinite_step`) when the loss or a parameter stops being finite.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Task:
+    """One MQAR setting: sequences of `seq_len` tokens with `num_kv` pairs over `vocab` tokens."""
+
+    seq_len: int = 64
+    num_kv: int = 4
+    vocab: int = 256
+    power_a: float = 0.01
+
+    def __post_init__(self):
+        if 4 * self.num_kv > self.seq_len:
+            raise ValueError(f"{self.num_kv} pairs need at least {4 * self.num_kv} tokens (pairs, then queries)")
+        if self.num_kv > self.vocab // 2:
+            raise ValueError(f"{self.num_kv} distinct keys need a vocabulary of at least {2 * self.num_kv}")
+
+
+def batch(task: Task, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (size, seq_len): targets hold the value to recall at the
+    position of its re-asked key, IGNORE elsewhere."""
+    half, context = task.vocab // 2, 2 * task.num_kv
+    space = (task.seq_len + 1 - context) // 2  # query slots: a key then its value
+    weights = task.power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (task.power_a - 1)
+    keys = torch.stack([torch.randperm(half, generator=generator)[: task.num_kv] for _ in range(size)])
+    values = torch.randint(half, task.vocab, (size, task.num_kv), generator=generator)
+    slots = torch.stack([torch.multinomial(weights, task.num_kv, generator=generator) for _ in range(size)])
+    sequence = torch.randint(0, task.vocab, (size, task.seq_len + 1), generator=generator)
+    pairs = torch.stack([keys, values], dim=-1).flatten(1)  # k1 v1 k2 v2 ...
+    sequence[:, :context] = pairs
+    labels = torch.full_like(sequence, IGNORE)
+    rows = torch.arange(size)[:, None]
+    sequence[rows, context + 2 * slots] = keys
+    sequence[rows, context + 2 * slots + 1] = values
+    labels[rows, context + 2 * slots + 1] = values
+    return sequence[:, :-1], labels[:, 1:]
+
+
+def build_model(name: str, **fields) -> torch.nn.Module:
+    """A model of family "<family>[_<variant>]" from its debug flavor with `fields` set (fp32,
+    train mode). "transformer" is torchtitan's llama3 with torchtitan's init (`init_states`)."""
+    from torchtitan_ext.families import family_and_overrides
+
+    family, overrides = family_and_overrides(name)
+    config = family.config("debug", **overrides, **fields)
+    if family.name == "transformer":
+        from torchtitan_ext.families.transformer import llama3_config
+        from torchtitan_ext.training import cpu
+
+        cpu.apply()
+        model = llama3_config(config, "cpu").build()
+        model.init_states()
+    else:
+        model = family.plain_class(config)
+    return model.float().train()
+
+
+def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    from torchtitan_ext.training.checkpoints import causal_logits
+
+    out = causal_logits(model, tokens)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def accuracy(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """Share of recalled values predicted exactly (argmax), over every answer position."""
+    with torch.no_grad():
+        predicted = logits_of(model, inputs).argmax(-1)
+    answers = targets != IGNORE
+    return (predicted[answers] == targets[answers]).float().mean().item()
+
+
+@dataclass
+class Run:
+    """What `train` measured: (step, accuracy) every eval, the last loss, the first step whose
+    loss or parameters were not finite (None: all finite)."""
+
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    last_loss: float = math.nan
+    nonfinite_step: int | None = None
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.curve[-1][1] if self.curve else math.nan
+
+
+def train(model: torch.nn.Module, task: Task, *, steps: int, lr: float = 3e-3, batch_size: int = 64,
+          eval_every: int = 250, eval_size: int = 256, seed: int = 0) -> Run:
+    """AdamW (0.9, 0.95, weight decay 0.1 as the paper recipes; lr constant after 10% linear
+    warmup), `steps` steps on fresh batches, accuracy on one held-out batch (its own seed)
+    every `eval_every` steps and at the end."""
+    generator = torch.Generator().manual_seed(seed)
+    held_out = batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    run = Run()
+    for step in range(1, steps + 1):
+        inputs, targets = batch(task, batch_size, generator)
+        logits = logits_of(model, inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        run.last_loss = loss.item()
+        if not math.isfinite(run.last_loss) or not all(torch.isfinite(p).all() for p in model.parameters()):
+            run.nonfinite_step = step
+            break
+        if step % eval_every == 0 or step == steps:
+            run.curve.append((step, accuracy(model.eval(), *held_out)))
+            model.train()
+    return run
