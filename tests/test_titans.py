@@ -149,3 +149,24 @@ def test_segment_by_segment_equals_one_pass(variant, float64):
     if variant == "mac":
         with pytest.raises(ValueError, match="multiple of window = 8 tokens"), torch.no_grad():
             model.stream(tokens[:, :3], model.stream(tokens[:, :5])[1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_token_identity_is_not_drowned_by_the_first_block_at_init(variant):
+    """At a fresh init, the token embeddings must stay a visible part of the residual stream
+    after the first block: a gated block (MAC, MAG) adds an output of RMS about 0.5 whatever its
+    weights, and 0.02 embeddings under it stalled MQAR recall (TitansConfig.embedding_std).
+    Ratio: RMS of the embeddings / RMS of what the first block adds to them."""
+    torch.manual_seed(0)
+    model = TitansLM(TitansConfig(variant=variant, vocab_size=256, dim=64, n_layers=2, n_heads=4, window=64))
+    tokens = torch.randint(0, 256, (4, 64))
+    seen = {}
+    model.layers["0"].register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
+    with torch.no_grad():
+        model(tokens)
+    ratio = (seen["x"].pow(2).mean().sqrt() / (seen["out"] - seen["x"]).pow(2).mean().sqrt()).item()
+    assert model.cfg.token_embedding_std == (1.0 if variant in ("mac", "mag") else model.cfg.init_std)
+    if variant in ("mac", "mag"):
+        assert ratio > 1.0, ratio  # 0.02 embeddings: about 0.04
+    explicit = TitansConfig(variant=variant, vocab_size=256, dim=64, n_layers=2, n_heads=4, window=64, embedding_std=0.5)
+    assert abs(TitansLM(explicit).tok_embeddings.weight.std().item() - 0.5) < 0.01

@@ -73,6 +73,14 @@ class TitansConfig:
     norm_eps: float = 1e-6
     ffn_hidden: int | None = None
     init_std: float = 0.02
+    # Token embeddings N(0, embedding_std); None: 1.0 for the gated variants (MAC, MAG), init_std
+    # for MAL and LMM. The paper states no init. Why: a gated block adds norm_y(y) * sigmoid(...),
+    # an output of RMS about 0.5 whatever the weights, so 0.02 embeddings are a few percent of
+    # the residual stream after the first block and recall stalled (MQAR, T 64, 4 pairs, width
+    # 64, 2 layers: MAC 0.41 after 1,500 steps at 0.02, 0.99 after 1,000 at 1.0, torchtitan's
+    # llama3 draws N(0, 1) too); LMM learned slower at 1.0 (0.06 vs 0.10-0.17 around step
+    # 1,000), so the ungated variants keep init_std. docs/benchmarks.md "Initialisation and recall".
+    embedding_std: float | None = None
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -83,6 +91,13 @@ class TitansConfig:
             raise ValueError(f"dim {self.dim} must divide by n_heads {self.n_heads}")
         self.ffn_hidden = self.ffn_hidden or swiglu_hidden(self.dim)
         self.block_memory  # a conflicting memory.dim / n_heads / head_dim ends here
+
+    @property
+    def token_embedding_std(self) -> float:
+        """The std of the token embeddings (`embedding_std`, or its default by variant)."""
+        if self.embedding_std is not None:
+            return self.embedding_std
+        return 1.0 if self.variant in ("mac", "mag") else self.init_std
 
     @property
     def block_memory(self) -> NeuralMemoryConfig:
@@ -301,7 +316,7 @@ class TitansLM(nn.Module):
     def reset_parameters(self) -> None:
         std, residual_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
+            nn.init.normal_(self.tok_embeddings.weight, std=self.cfg.token_embedding_std)
             nn.init.normal_(self.lm_head.weight, std=self.cfg.dim**-0.5)
             self.norm.reset_parameters()
             for block in self.layers.values():

@@ -110,14 +110,15 @@ class Run:
 
 
 def train(model: torch.nn.Module, task: Task, *, steps: int, lr: float = 3e-3, batch_size: int = 64,
-          eval_every: int = 250, eval_size: int = 256, seed: int = 0) -> Run:
-    """AdamW (0.9, 0.95, weight decay 0.1 as the paper recipes; lr constant after 10% linear
-    warmup), `steps` steps on fresh batches, accuracy on one held-out batch (its own seed)
-    every `eval_every` steps and at the end."""
+          eval_every: int = 250, eval_size: int = 256, seed: int = 0, weight_decay: float = 0.1,
+          warmup_fraction: float = 0.1) -> Run:
+    """AdamW (0.9, 0.95, weight decay 0.1 as the paper recipes; lr constant after a linear
+    warmup over `warmup_fraction` of the steps), `steps` steps on fresh batches, accuracy on
+    one held-out batch (its own seed) every `eval_every` steps and at the end."""
     generator = torch.Generator().manual_seed(seed)
     held_out = batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, steps // 10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    warmup = max(1, int(steps * warmup_fraction))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     run = Run()
     for step in range(1, steps + 1):

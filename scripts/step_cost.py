@@ -1,0 +1,49 @@
+"""Where one training step's time goes on an H100, predicted on a CPU (torchtitan_ext/step_cost.py).
+
+    python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2] [--compiled]
+        [--tf32] [--launch-floor-us 5] [--sync-us 20] [--top 12]
+
+Records one bench_models.py training step (bf16 autocast, fp32 parameters, cross-entropy, fused
+AdamW) of CONFIG (<family>[_<variant>]_<flavor>, e.g. transformer_400m, mela_400m; or
+name:flavor) on the meta device, costs every aten op on an H100 roofline plus a per-launch
+floor, and prints the cost by op class, the predicted step time and tokens/s, launches per
+memory layer, the top ops and model functions, and the lease's measurement where one exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torchtitan_ext.step_cost import HOST_SYNC_S, LAUNCH_FLOOR_S, Hardware, predict, report
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="e.g. titans_mac_400m, transformer_400m, mela_400m, mela:debug")
+    p.add_argument("--seq-len", type=int, default=4096, help="fitted to the model as bench_models.py does")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--compiled", action="store_true", help="the crude compile model (fused elementwise runs)")
+    p.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (default: fp32 peak, "
+                   "torch's allow_tf32=False, as bench_models.py runs)")
+    p.add_argument("--launch-floor-us", type=float, default=LAUNCH_FLOOR_S * 1e6, help="cost added per launch")
+    p.add_argument("--sync-us", type=float, default=HOST_SYNC_S * 1e6, help="cost of one host sync")
+    p.add_argument("--top", type=int, default=12, help="rows of the top-ops and top-functions tables")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    hardware = Hardware(tf32=args.tf32, launch_s=args.launch_floor_us * 1e-6, sync_s=args.sync_us * 1e-6)
+    try:
+        prediction = predict(args.config, seq_len=args.seq_len, batch=args.batch, compiled=args.compiled,
+                             hardware=hardware)
+    except ValueError as e:
+        print(f"step_cost: {e}", file=sys.stderr)
+        return 2
+    print(report(prediction, top=args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

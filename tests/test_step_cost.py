@@ -1,0 +1,180 @@
+"""torchtitan_ext/step_cost.py and scripts/step_cost.py: one training step recorded on the meta
+device and costed on an H100 (issue 39). Debug flavors at short sequences: seconds in all."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import load_script
+from torchtitan_ext import step_cost
+from torchtitan_ext.step_cost import CLASSES, Hardware, parse_config, predict, record_step
+
+
+class Product(nn.Module):
+    """loss = sum(X @ W) with X (m, k) and W (k, n) both parameters: a pure matmul step."""
+
+    def __init__(self, m: int, k: int, n: int, device="meta"):
+        super().__init__()
+        self.x = nn.Parameter(torch.empty(m, k, device=device))
+        self.w = nn.Parameter(torch.empty(k, n, device=device))
+
+    def forward(self) -> torch.Tensor:
+        return self.x @ self.w
+
+
+def matmul_step(m, k, n, **options):
+    return record_step(Product(m, k, n), lambda model: model().float().sum(), **options)
+
+
+@pytest.fixture(scope="module")
+def titans_short():
+    return predict("titans_mac_debug", seq_len=64, batch=2)
+
+
+@pytest.fixture(scope="module")
+def titans_long():
+    return predict("titans_mac_debug", seq_len=128, batch=2)
+
+
+def test_parse_config():
+    assert parse_config("titans_mac_400m") == ("titans_mac", "400m")
+    assert parse_config("transformer_400m") == ("transformer", "400m")
+    assert parse_config("mela_400m") == ("mela", "400m")
+    assert parse_config("transformer_mela_400m_peer") == ("transformer", "mela_400m_peer")
+    assert parse_config("mela:debug") == ("mela", "debug")
+    with pytest.raises(ValueError, match="no <family>"):
+        parse_config("titans_xyz_400m")
+
+
+def test_classes_sum_to_the_total(titans_short):
+    cost = titans_short.cost
+    assert tuple(cost.classes) == CLASSES
+    total = cost.total
+    for field in ("launches", "flops", "bytes", "compute_s", "launch_s"):
+        by_class = sum(getattr(c, field) for c in cost.classes.values())
+        by_op = sum(getattr(c, field) for c in cost.ops.values())
+        by_function = sum(getattr(c, field) for c in cost.functions.values())
+        assert by_class == pytest.approx(getattr(total, field))
+        assert by_op == pytest.approx(by_class) and by_function == pytest.approx(by_class)
+    assert cost.step_s == pytest.approx(total.seconds + cost.syncs * cost.hardware.sync_s)
+    for name in ("attention", "memory update", "memory read", "decoder matmuls", "elementwise", "optimizer"):
+        assert cost.classes[name].launches > 0, name  # MAC exercises every class
+    assert cost.tokens_per_s == pytest.approx(2 * 64 / cost.step_s)
+    assert cost.syncs == 0  # the training step never waits on the host
+
+
+def test_matmul_flops_are_6mnk():
+    """Forward X W (2mnk) and backward dX, dW (2mnk each): 6 m n k, every one a decoder matmul."""
+    m, k, n = 256, 512, 384
+    for bf16 in (True, False):
+        cost = matmul_step(m, k, n, bf16=bf16)
+        assert cost.total.flops == pytest.approx(6 * m * n * k, rel=0.01)
+        assert cost.classes["decoder matmuls"].flops == pytest.approx(6 * m * n * k, rel=0.01)
+        assert cost.classes["decoder matmuls"].launches == 3
+        # bf16 autocast puts them on the bf16 peak; without it they run at the fp32 (no tensor core) peak
+        assert cost.fp32_matmul.flops == (0 if bf16 else pytest.approx(6 * m * n * k))
+    fp32, tf32 = matmul_step(4096, 4096, 4096, bf16=False), matmul_step(4096, 4096, 4096, bf16=False,
+                                                                         hardware=Hardware(tf32=True))
+    assert fp32.fp32_matmul.compute_s == pytest.approx(6 * 4096**3 / step_cost.FP32_PEAK)
+    assert tf32.fp32_matmul.compute_s == pytest.approx(6 * 4096**3 / step_cost.TF32_PEAK)
+
+
+def test_time_is_the_roofline_plus_the_launch_floor():
+    m = k = n = 8192
+    cost = matmul_step(m, k, n, bf16=True)
+    mm = cost.ops[("decoder matmuls", "mm")]
+    assert mm.launches == 3 and mm.launch_s == pytest.approx(3 * step_cost.LAUNCH_FLOOR_S)
+    assert mm.compute_s == pytest.approx(6 * m * n * k / step_cost.BF16_PEAK)  # compute-bound at this size
+    tiny = matmul_step(8, 8, 8, bf16=True)
+    assert tiny.ops[("decoder matmuls", "mm")].compute_s < 1e-8  # bytes / bandwidth: the floor dominates
+
+
+def test_the_meta_device_holds_no_memory():
+    """80 GB of parameters (and as much state) record in well under a second: meta tensors."""
+    m = k = n = 100_000
+    model = Product(m, k, n)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    cost = record_step(model, lambda mod: mod().sum(), bf16=True)
+    assert cost.device == "meta"
+    assert cost.total.flops == pytest.approx(6 * m * n * k, rel=0.01)
+    assert cost.record_s < 5
+    with pytest.raises(ValueError, match="meta device"):
+        record_step(Product(4, 4, 4, device="cpu"), lambda mod: mod().sum())
+
+
+def test_family_models_are_built_on_meta(titans_short):
+    model, *_ = step_cost.build_model("titans_mac", "debug")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert titans_short.cost.device == "meta" and titans_short.seq_len == 64
+
+
+def test_memory_layer_launches_grow_with_the_sequence(titans_short, titans_long):
+    """The per-chunk path launches a memory layer's kernels chunk by chunk: twice the tokens,
+    about twice the launches (a whole-sequence path would keep them flat)."""
+    short = sum(titans_short.cost.memory_layers["layers.0.memory"])
+    long = sum(titans_long.cost.memory_layers["layers.0.memory"])
+    assert long > 1.7 * short
+    assert set(titans_short.cost.memory_layers) == {"layers.0.memory", "layers.1.memory"}
+
+
+def test_host_syncs_are_counted():
+    class Syncing(Product):
+        def forward(self):
+            out = self.x @ self.w
+            return out * (2.0 if out.sum().item() > 0 else 1.0)
+
+    cost = record_step(Syncing(8, 8, 8), lambda mod: mod().sum())
+    assert cost.syncs == 1 and cost.sync_ops == {"_local_scalar_dense": 1}
+    assert cost.step_s == pytest.approx(cost.total.seconds + step_cost.HOST_SYNC_S)
+
+
+def test_cuda_paths_are_recorded(titans_short):
+    """bf16 autocast but the fast-weight state update (fp32, under kernels.full_precision);
+    Titans' attention as eager flex attention (scores materialised); the transformer's SDPA
+    as flash attention; fused AdamW."""
+    cost = titans_short.cost
+    assert cost.fp32_matmul.launches > 0
+    assert set(cost.fp32_functions) == {"neural_memory.py:token_scan_update"}  # every fp32 matmul: the state mix
+    assert "attention.py:masked_attention (eager flex)" in cost.functions
+    import kernels
+    import models.layers.attention
+    import models.lms.titans
+    import models.memory.neural_memory
+
+    # the CUDA switches are undone after the step
+    assert models.lms.titans.masked_attention is models.layers.attention.masked_attention
+    assert models.layers.attention.masked_attention.__module__ == "models.layers.attention"
+    assert models.memory.neural_memory.full_precision is kernels.full_precision
+    assert kernels.full_precision.__module__ == "kernels.token_step"
+    transformer = predict("transformer_debug", seq_len=64).cost
+    assert transformer.fp32_matmul.launches == 0
+    assert {name for _, name in transformer.ops} >= {"_scaled_dot_product_flash_attention",
+                                                      "_scaled_dot_product_flash_attention_backward", "_fused_adamw_"}
+
+
+def test_compiled_fuses_elementwise_runs():
+    eager = predict("transformer_debug", seq_len=64).cost
+    compiled = predict("transformer_debug", seq_len=64, compiled=True).cost
+    assert compiled.total.flops == pytest.approx(eager.total.flops)
+    assert compiled.classes["decoder matmuls"].launches == eager.classes["decoder matmuls"].launches
+    assert compiled.classes["elementwise"].launches < eager.classes["elementwise"].launches / 2
+    assert compiled.step_s < eager.step_s
+
+
+def test_mela_records():
+    p = predict("mela_debug", seq_len=64)
+    assert p.cost.classes["memory update"].launches > 0 and p.cost.classes["memory read"].launches > 0
+    assert math.isfinite(p.cost.tokens_per_s) and p.cost.tokens_per_s > 0
+
+
+def test_script_prints_the_tables(capsys):
+    assert load_script("step_cost").main(["--config", "titans_mac_debug", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    for text in ("memory update", "memory read", "predicted step", "tokens/s", "launches per memory layer",
+                 "layers.0.memory", "top ops", "top model functions", "total"):
+        assert text in out
+    assert load_script("step_cost").main(["--config", "nope_400m"]) == 2
