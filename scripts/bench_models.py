@@ -31,16 +31,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from torchtitan_ext import flops
 from torchtitan_ext.families import family_and_overrides
+from torchtitan_ext.plain_step import build, fitted_length, inputs, loss_of
 from torchtitan_ext.training.cpu import measured_matmul_flops
 
 # Each family's paper-sized flavor and its CPU debug flavor ("<family>[_<variant>]": flavor).
@@ -64,62 +62,6 @@ class Result:
     first_step_s: float = 0.0
     top_kernels: list = dataclasses.field(default_factory=list)  # [(name, self ms per step)], --profile
     error: str = ""
-
-
-def transformer_flops(cfg, seq_len: int) -> float:
-    """torchtitan's count for its llama3: 6 x non-embedding parameters + attention scores and values."""
-    block = flops.decoder_block_linears(cfg) + flops.attention_span(cfg.n_heads * cfg.head_dim, seq_len)
-    return flops.TRAIN * (cfg.n_layers * block + flops.linear(cfg.dim, cfg.vocab_size))
-
-
-def build(name: str, flavor: str):
-    """(plain model, its config, flops_per_token(seq_len)) of a family flavor, torchtitan-free.
-    The Transformer++ is torchtitan's llama3 in training; here the same shape as the project's
-    plain Llama decoder (models/backbones/decoder_lm.py; only its RoPE layout differs)."""
-    family, overrides = family_and_overrides(name)
-    cfg = family.config(flavor, **overrides)
-    if family.name == "transformer":
-        from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
-
-        cfg = DecoderLMConfig(architecture="llama", vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
-                              n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_hidden=cfg.ffn_hidden,
-                              max_seq_len=cfg.max_seq_len)
-        return DecoderLM(cfg), cfg, lambda t: transformer_flops(cfg, t)
-    model = family.plain_class(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    count = family.flops_per_token
-    return model, cfg, (lambda t: count(cfg, t)) if count else (lambda t: 6.0 * n_params)
-
-
-def shortest_length(cfg, wanted: int) -> int:
-    """`wanted` fitted to the model: at most its max_seq_len (GradMem's kv: 1024), at least
-    `min_trainable_seq_len`, a multiple of Mela's chunk of tokens."""
-    step = getattr(cfg, "chunk_tokens", 1)
-    length = max(min(wanted, getattr(cfg, "max_seq_len", wanted)), getattr(cfg, "min_trainable_seq_len", 1))
-    return math.ceil(length / step) * step
-
-
-def inputs(family_name: str, batch: int, seq_len: int, vocab: int, device) -> dict:
-    """Random tokens (B, T + 1) and, for GradMem, positions restarting where the query starts (T / 2)."""
-    tokens = torch.randint(0, vocab, (batch, seq_len + 1), device=device)
-    out = {"tokens": tokens}
-    if family_name == "gradmem":
-        half = seq_len // 2
-        row = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).to(device)
-        out["positions"] = row.expand(batch, -1)
-    return out
-
-
-def loss_of(model, batch: dict) -> torch.Tensor:
-    tokens = batch["tokens"]
-    kwargs = {"positions": batch["positions"]} if "positions" in batch else {}
-    out = model(tokens[:, :-1], **kwargs)
-    logits, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-    for extra in rest:  # a model's own loss term (GradMem's write loss (B,))
-        if isinstance(extra, torch.Tensor) and extra.requires_grad and extra.is_floating_point():
-            loss = loss + extra.float().mean()
-    return loss
 
 
 def device_peak(device: torch.device, bf16: bool) -> tuple[float, str]:
@@ -155,7 +97,7 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
     """Train one flavor for warmup + steps steps; tokens/s over the timed steps."""
     result = Result(name, flavor)
     model, cfg, flops_per_token = build(name, flavor)
-    seq_len = shortest_length(cfg, seq_len)
+    seq_len = fitted_length(cfg, seq_len)
     model = model.to(device)
     result.params = sum(p.numel() for p in model.parameters())
     result.flops_per_token = flops_per_token(seq_len)

@@ -118,7 +118,7 @@ def result_line(name: str, result: Comparison) -> str:
 
 def train_command(python: str, args: list[str], ranks: int, log_dir: Path) -> tuple[dict, list[str]]:
     """(environment overrides, argv) of one `scripts/train.sh` run under `python`."""
-    env = {"PYTHON": python, "SKIP_SETUP": "1", "SKIP_PREFLIGHT": "1", "NPROC_PER_NODE": str(ranks),
+    env = {"PYTHON": python, "SKIP_PREFLIGHT": "1", "NPROC_PER_NODE": str(ranks),
            "LOG_DIR": str(log_dir), "WANDB_MODE": "offline"}
     return env, ["bash", str(REPO / "scripts" / "train.sh"), *COMMON, *args]
 

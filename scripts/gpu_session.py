@@ -1,6 +1,6 @@
 """The one prepared script of a GPU lease (run through scripts/gpu_session.sh; <= 9 minutes on one H100).
 
-    bash scripts/gpu_session.sh [--only main,perf] [--models transformer,mela,titans_mac] [--steps 3]
+    bash scripts/gpu_session.sh [--only main,perf] [--models transformer,mela,titans_mac] [--steps 2]
         [--budget-s 510] [--out DIR] [--dry-run] [--debug]
 
 Sections (`--only` picks some, so that a rerun fits what is left of a lease):
@@ -34,6 +34,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -144,6 +146,13 @@ def step_figures(log: str, tokens_per_step: int) -> dict:
     return figures
 
 
+def skipped_or_failed(code: int | str, what: str, text: str) -> str:
+    """A command's status line: skipped when the budget left no time to start it."""
+    if code == "no time left":
+        return f"skipped: no time left for {what}"
+    return f"failed: {what} exit {code}: {last_line(text)[:160]}"
+
+
 class Session:
     def __init__(self, args):
         self.args = args
@@ -165,12 +174,16 @@ class Session:
         with log.open("a") as out:
             out.write(f"\n$ {shlex.join(command)}\n")
             out.flush()
+            # Its own process group: at the limit the whole group goes (torchrun and its ranks
+            # too, which would otherwise hold the GPU into the next command).
+            proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
             try:
-                proc = subprocess.run(command, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, timeout=limit, start_new_session=True)
-                code, text = proc.returncode, proc.stdout
-            except subprocess.TimeoutExpired as e:
-                text = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
+                text, _ = proc.communicate(timeout=limit)
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                text, _ = proc.communicate()
                 code = "timeout"
             out.write(text)
             out.write(f"\n# exit {code} after {time.monotonic() - start:.0f} s\n")
@@ -183,14 +196,17 @@ class Session:
     def main_section(self, model: str) -> Outcome:
         outcome, work, steps, shape = Outcome(model, "main"), self.args.work, self.args.steps, self.shape
         log = self.args.out / f"main_{model}.log"
+        config = shape.config(model)[1]
+        for stale in (work / config, work / f"{config}_hf"):  # a rerun on a warm machine starts afresh
+            shutil.rmtree(stale, ignore_errors=True)
         first = train_args(model, shape, work, steps, self.args.tokenizer)
         env = {"PYTHON": self.python, "WANDB_MODE": "disabled"}
         code, text = self.run(self.train_command(first), log, TIMEOUT_S["train"], env)
         outcome.figures = step_figures(text, shape.seq_len * BATCH)
         if code != 0:
-            outcome.status = f"failed: train exit {code}: {last_line(text)[:160]}"
+            outcome.status = skipped_or_failed(code, "train", text)
             return outcome
-        checkpoint = work / shape.config(model)[1] / "checkpoint" / f"step-{steps}" / ".metadata"
+        checkpoint = work / config / "checkpoint" / f"step-{steps}" / ".metadata"
         validated = "validate step:" in ANSI.sub("", text)
         code, text = self.run(self.train_command(with_steps(first, steps + 1)), log, TIMEOUT_S["resume"], env)
         resumed = parse_steps(text)
@@ -200,13 +216,14 @@ class Session:
         # A resumed launch trains step steps+1 only: it loaded the checkpoint instead of starting over.
         resume_ok = code == 0 and sorted(resumed) == [steps + 1] and checkpoint.exists()
         if not resume_ok:
-            outcome.status = f"failed: resume exit {code}, steps {sorted(resumed)}: {last_line(text)[:160]}"
+            outcome.status = skipped_or_failed(code, f"resume (steps {sorted(resumed)})", text)
             return outcome
         code, text = self.run([self.python, "scripts/check_hf_export.py", *hf_args(model, shape, work, steps + 1)], log,
                               TIMEOUT_S["hf"])
         outcome.figures["hf_export"] = last_line(text)
         outcome.figures["validated"] = validated
-        outcome.status = "ok" if code == 0 and validated else f"failed: hf export exit {code} / validation {validated}"
+        outcome.status = "ok" if code == 0 and validated else \
+            skipped_or_failed(code, f"hf export (validated: {validated})", text)
         return outcome
 
     def perf_section(self, model: str) -> Outcome:
@@ -216,8 +233,8 @@ class Session:
             code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, compiled)], log,
                                   TIMEOUT_S["perf"])
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
-            outcome.figures[mode] = rows[0] if rows and code == 0 else {"error": f"exit {code}: {last_line(text)[:160]}"}
-        failed = [m for m, f in outcome.figures.items() if "error" in f]
+            outcome.figures[mode] = rows[0] if rows and code == 0 else {"error": skipped_or_failed(code, mode, text)}
+        failed = [m for m, f in outcome.figures.items() if f.get("error")]
         outcome.status = "ok" if not failed else f"failed: {', '.join(failed)}"
         return outcome
 
@@ -239,7 +256,7 @@ def table(outcomes: list[Outcome]) -> str:
         else:
             for mode in ("eager", "compiled"):
                 r = f.get(mode, {})
-                lines.append(f"| perf {mode} | {o.model} | {r.get('error', o.status)} | {fmt(r.get('tokens_per_s'))} "
+                lines.append(f"| perf {mode} | {o.model} | {r.get('error') or o.status} | {fmt(r.get('tokens_per_s'))} "
                              f"| {fmt(r.get('mfu_percent'), '.1f')} | {fmt(r.get('peak_memory_gib'), '.1f')} "
                              f"| {fmt(r.get('first_step_s'), '.0f')} | top kernels: {r.get('top_kernels', [])[:3]} |")
     return "\n".join(lines)
@@ -273,7 +290,7 @@ def dry_run(session: Session) -> int:
             commands += [("perf", perf_args(model, shape, False)), ("perf", perf_args(model, shape, True))]
         for kind, args in commands:
             if kind == "train":
-                shown = ["bash", "scripts/train.sh", *args]
+                shown = session.train_command(args)
                 try:
                     preflight.check(cli.parse(args), explicit_local_batch=True)
                     problem = None

@@ -2,7 +2,7 @@
 # The one prepared script of a GPU lease: <= 9 minutes on one H100, with the image's own torch
 # (>= 2.11) and the pure-Python wheels it lacks (scripts/gpu_wheels.sh) installed from a folder.
 #
-#   bash scripts/gpu_session.sh [--only main,perf] [--models transformer,mela,titans_mac] [--steps 3]
+#   bash scripts/gpu_session.sh [--only main,perf] [--models transformer,mela,titans_mac] [--steps 2]
 #       [--budget-s 510] [--out DIR] [--dry-run]
 #
 # Environment (defaults in brackets):

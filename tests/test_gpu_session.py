@@ -64,3 +64,52 @@ def test_resume_arguments_change_only_the_step_count():
     changed = [(a, b) for a, b in zip(args, resumed) if a != b]
     assert changed == [("2", "3")] and len(args) == len(resumed)
     assert args[args.index("--training.steps") + 1] == "2"
+
+
+def session(tmp_path, **fields):
+    import argparse
+
+    args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", steps=2, budget_s=600, debug=False,
+                              tokenizer=tmp_path / "tok", only=["main", "perf"], models=["mela"], **fields)
+    args.out.mkdir()
+    return gpu_session.Session(args)
+
+
+def test_perf_rows_with_an_empty_error_are_ok_and_a_command_without_time_is_skipped(tmp_path, monkeypatch):
+    s = session(tmp_path)
+    row = '{"name": "mela", "tokens_per_s": 4874.0, "error": "", "mfu_percent": 1.2, "peak_memory_gib": 20.6}'
+    monkeypatch.setattr(s, "run", lambda *a, **k: (0, f"table line\nJSON {row}\n"))
+    outcome = s.perf_section("mela")
+    assert outcome.status == "ok" and outcome.figures["compiled"]["tokens_per_s"] == 4874.0
+    assert "| perf eager | mela | ok | 4,874 |" in gpu_session.table([outcome])
+    monkeypatch.setattr(s, "run", lambda *a, **k: ("no time left", ""))
+    outcome = s.perf_section("mela")
+    assert outcome.status == "failed: eager, compiled"
+    assert outcome.figures["eager"]["error"] == "skipped: no time left for eager"
+
+
+def test_main_section_trains_resumes_and_exports_from_a_fresh_work_folder(tmp_path, monkeypatch):
+    s = session(tmp_path)
+    stale = tmp_path / "work" / "mela_400m" / "checkpoint" / "step-3"
+    stale.mkdir(parents=True)  # a previous run's checkpoint on a warm machine: must not be resumed from
+    calls = []
+
+    def run(command, log, timeout, env=None):
+        calls.append(command)
+        if len(calls) == 1:
+            assert not stale.exists()
+            step = tmp_path / "work" / "mela_400m" / "checkpoint" / "step-2"
+            step.mkdir(parents=True)
+            (step / ".metadata").write_text("")
+            return 0, LOG + "validate step:  2  loss: 9.0\n"
+        if len(calls) == 2:
+            return 0, "[titan] 2026-11-26 17:30:12,869 - root - INFO - Training starts at step 3\n" \
+                      "[titan] 2026-11-26 17:30:22,729 - root - INFO - step:  3  loss:  8.67828  tps: 528\n"
+        return 0, "PASS  hf_export mela_400m: ...\n"
+
+    monkeypatch.setattr(s, "run", run)
+    outcome = s.main_section("mela")
+    assert outcome.status == "ok", outcome
+    assert [c[1] for c in calls] == ["scripts/train.sh", "scripts/train.sh", "scripts/check_hf_export.py"]
+    assert outcome.figures["resume"]["steps"] == [3] and abs(outcome.figures["resume"]["first_step_s"] - 9.86) < 1e-9
+    assert outcome.figures["hf_export"].startswith("PASS")

@@ -93,7 +93,7 @@ stack when its forward op ran ("neural_memory.py:associative_grads"); the report
 top functions says which code the launches come from.
 
 Recording time grows with the ops: on a shared 2-core CPU transformer_400m at T 4096 takes
-~1 s, mela_400m ~25 s, titans_mac_400m ~90 s (247k launches: the per-chunk loop).
+~1 s, mela_400m ~30 s, titans_mac_400m ~90 s (247k launches: the per-chunk loop).
 """
 
 from __future__ import annotations
@@ -108,11 +108,13 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import conv_flop_count, flop_registry
+
+from torchtitan_ext import plain_step
+from torchtitan_ext.families import family_and_overrides
 
 # --- H100 SXM (the lease's card) ---
 BF16_PEAK = 989e12  # dense bf16 tensor-core FLOP/s
@@ -800,8 +802,6 @@ def record_step(model: torch.nn.Module, loss_fn, *, optimizer=None, tokens: int 
 def parse_config(text: str) -> tuple[str, str]:
     """"titans_mac_400m" / "titans_mac:400m" -> ("titans_mac", "400m"): the longest model name
     (`<family>[_<variant>]`) whose family has the rest as a flavor."""
-    from torchtitan_ext.families import family_and_overrides
-
     if ":" in text:
         name, flavor = text.split(":", 1)
         return name, flavor
@@ -816,58 +816,6 @@ def parse_config(text: str) -> tuple[str, str]:
             return name, flavor
     raise ValueError(f"config '{text}': no <family>[_<variant>]_<flavor> of the registry "
                      "(e.g. titans_mac_400m, transformer_400m, mela_400m)")
-
-
-def transformer_flops(cfg, seq_len: int) -> float:
-    """torchtitan's count for its llama3 (as scripts/bench_models.py): 6 x non-embedding
-    parameters + attention scores and values."""
-    from torchtitan_ext import flops
-
-    block = flops.decoder_block_linears(cfg) + flops.attention_span(cfg.n_heads * cfg.head_dim, seq_len)
-    return flops.TRAIN * (cfg.n_layers * block + flops.linear(cfg.dim, cfg.vocab_size))
-
-
-def build_model(name: str, flavor: str):
-    """(plain model on the meta device, its config, flops_per_token(seq_len), Family), as
-    scripts/bench_models.py `build` makes it (the Transformer++: models/backbones/decoder_lm.py
-    DecoderLM at the transformer flavor's shape)."""
-    from torchtitan_ext.families import family_and_overrides
-
-    family, overrides = family_and_overrides(name)
-    cfg = family.config(flavor, **overrides)
-    with torch.device("meta"):
-        if family.name == "transformer":
-            from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
-
-            cfg = DecoderLMConfig(architecture="llama", vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
-                                  n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_hidden=cfg.ffn_hidden,
-                                  max_seq_len=cfg.max_seq_len)
-            return DecoderLM(cfg), cfg, (lambda t: transformer_flops(cfg, t)), family
-        model = family.plain_class(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    count = family.flops_per_token
-    return model, cfg, ((lambda t: count(cfg, t)) if count else (lambda t: 6.0 * n_params)), family
-
-
-def fitted_length(cfg, wanted: int) -> int:
-    """`wanted` fitted to the model as scripts/bench_models.py does: at most max_seq_len, at
-    least `min_trainable_seq_len`, a multiple of Mela's chunk of tokens."""
-    step = getattr(cfg, "chunk_tokens", 1)
-    length = max(min(wanted, getattr(cfg, "max_seq_len", wanted)), getattr(cfg, "min_trainable_seq_len", 1))
-    return math.ceil(length / step) * step
-
-
-def lm_loss(model, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """bench_models.py's loss: cross-entropy of the next token (fp32 logits) plus a model's
-    own loss terms (extra floating outputs that require grad, meaned)."""
-    kwargs = {"positions": positions} if positions is not None else {}
-    out = model(tokens[:, :-1], **kwargs)
-    logits, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-    for extra in rest:
-        if isinstance(extra, torch.Tensor) and extra.requires_grad and extra.is_floating_point():
-            loss = loss + extra.float().mean()
-    return loss
 
 
 @dataclass
@@ -886,26 +834,24 @@ class Prediction:
         return self.cost.tokens_per_s * self.flops_per_token / self.cost.hardware.bf16_flops
 
 
-def predict(config: str, *, seq_len: int = 4096, batch: int = 2, compiled: bool = False, tf32: bool = False,
+def predict(config: str, *, seq_len: int = 4096, batch: int = 2, compiled: bool = False,
             hardware: Hardware | None = None) -> Prediction:
     """Record one bench_models.py training step of CONFIG (e.g. "titans_mac_400m") on meta
     and cost it on an H100."""
     name, flavor = parse_config(config)
-    model, cfg, flops_per_token, family = build_model(name, flavor)
-    seq_len = fitted_length(cfg, seq_len)
-    hardware = hardware or Hardware(tf32=tf32)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device="meta")
-    positions = None
-    if family.name == "gradmem":
-        half = seq_len // 2
-        positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).to("meta").expand(batch, -1)
+    family = family_and_overrides(name)[0]
+    with torch.device("meta"):
+        model, cfg, flops_per_token = plain_step.build(name, flavor)
+    seq_len = plain_step.fitted_length(cfg, seq_len)
+    hardware = hardware or Hardware()
+    data = plain_step.inputs(family.name, batch, seq_len, cfg.vocab_size, "meta")
     compile_modules, compile_functions = None, frozenset()
     if family.compile_regions is not None:
         module = sys.modules[family.compile_regions.__module__]
         compile_modules = tuple(getattr(module, "COMPILED_REGIONS", ()))
         compile_functions = CHUNK_STEP_FUNCTIONS
     model.train()
-    cost = record_step(model, lambda m: lm_loss(m, tokens, positions), tokens=batch * seq_len, bf16=True,
+    cost = record_step(model, lambda m: plain_step.loss_of(m, data), tokens=batch * seq_len, bf16=True,
                        compiled=compiled, compile_modules=compile_modules, compile_functions=compile_functions,
                        hardware=hardware)
     return Prediction(name, flavor, batch, seq_len, compiled, sum(p.numel() for p in model.parameters()),

@@ -54,6 +54,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+OLDEST_TORCH = (2, 11)  # the oldest torch these mends make work; older stops at the launcher's check
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 MESH_DIMS_MESSAGE = (
     "torch {version} has no DataParallelMeshDims (torch >= 2.13), which torchtitan's spmd_backend "
     "'full_dtensor' / 'spmd_types' needs: pass --parallelism.spmd_backend partial_dtensor"
@@ -145,8 +154,8 @@ def block_masks_flatten_alike() -> bool:
              for _ in range(2)]
     try:
         return bool(masks[0]._flatten()[1] == masks[1]._flatten()[1])
-    except RuntimeError:  # older torch compares the captured tensors themselves: never alike
-        return False
+    except (RuntimeError, AttributeError):  # older torch compares the captured tensors (or has no
+        return False  # _flatten, which torchtitan's CUDA-graph step needs): never alike
 
 
 def cuda_graph_args(config) -> list[str]:
@@ -163,7 +172,11 @@ def cuda_graph_args(config) -> list[str]:
 
 
 def apply() -> list[str]:
-    """Apply the mends this torch needs (idempotent). Returns the names of those applied."""
+    """Apply the mends this torch needs (idempotent). Returns the names of those applied; none
+    below `OLDEST_TORCH`, whose modules may lack what the mends patch (the launcher's check
+    then names the torch in one line)."""
+    if torch_version() < OLDEST_TORCH:
+        return []
     import torch.distributed as dist
     import torch.distributed.fsdp as fsdp
 

@@ -104,10 +104,6 @@ class Run:
     last_loss: float = math.nan
     nonfinite_step: int | None = None
 
-    @property
-    def final_accuracy(self) -> float:
-        return self.curve[-1][1] if self.curve else math.nan
-
 
 def train(model: torch.nn.Module, task: Task, *, steps: int, lr: float = 3e-3, batch_size: int = 64,
           eval_every: int = 250, eval_size: int = 256, seed: int = 0, weight_decay: float = 0.1,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +12,6 @@ from torchtitan_ext.errors import UserError
 from torchtitan_ext.training.cli import option_value, parse
 
 
-OLDEST_TORCH = (2, 11)
 # The modules the training entry (train.py -> torchtitan.train) imports that a GPU image with
 # its own torch may lack, as {module: distribution}: torchtitan 0.3.0 and its requirements
 # (tyro's typeguard and docstring-parser, datasets' dill and multiprocess, imported lazily or
@@ -38,9 +36,11 @@ def check_environment() -> None:
     and the fix, not the first ImportError's traceback. `find_spec` imports nothing."""
     import torch
 
-    version = torch.__version__
-    if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups()) < OLDEST_TORCH:
-        raise UserError(f"torch {version} is older than 2.11, the oldest this project supports (2.11-2.13): use a "
+    from torchtitan_ext.torch_compat import OLDEST_TORCH, torch_version
+
+    version, oldest = torch.__version__, ".".join(map(str, OLDEST_TORCH))
+    if torch_version() < OLDEST_TORCH:
+        raise UserError(f"torch {version} is older than {oldest}, the oldest this project supports ({oldest}-2.13): use a "
                         "python with a newer torch, or the pinned environment (unset PYTHON; bash scripts/setup.sh)")
     missing = [dist for module, dist in REQUIRED.items() if importlib.util.find_spec(module) is None]
     if missing:

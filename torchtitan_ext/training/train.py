@@ -78,11 +78,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"train: local batch {config.training.local_batch_size} -> {local_batch} sequences to fit the global "
                   f"batch of {config.training.global_batch_size} on {preflight.world_size()} ranks", flush=True)
         argv = [*argv, "--training.local_batch_size", str(local_batch)]
+    import torch
+
     from torchtitan_ext import torch_compat
 
     if graph_args := torch_compat.cuda_graph_args(config):
         if _rank() == 0:
-            print(f"train: torchtitan's CUDA-graph step is off: torch {torch_compat.torch.__version__} cannot replay "
+            print(f"train: torchtitan's CUDA-graph step is off: torch {torch.__version__} cannot replay "
                   "flex-attention masks across steps (torch >= 2.13 can)", flush=True)
         argv = [*argv, *graph_args]
     try:
