@@ -12,8 +12,9 @@ in-house backbone under DIR/backbone/. DIR/suite.json names the suite the folder
 `--dry-run` (the paper suite) runs the launcher's preflight for every row at 1x8, 4x8 and
 16x8 ranks and prints the exact multi-node commands; `--hf-assets-path` stands a tokenizer in
 for the paper configs' Llama-2 one (which cannot ship; README "A real run").
-Bad input (an unknown suite or row, a folder holding another suite) prints one line and exits 2,
-writing nothing.
+Bad input (an unknown suite or row, a folder holding another suite, the paper suite without
+--dry-run or --estimate: it runs on a GPU cluster, not in this process) prints one line and
+exits 2, writing nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.estimate:
             print(leaderboard_launch.estimate(chosen, rows))
             return
+        if chosen.name == "paper":  # run here it would train the debug rows in one process: refuse
+            raise UserError("the paper suite trains its 400M rows on a GPU cluster, one multi-node launch per row: "
+                            "pass --dry-run to preflight them and print those commands (or --estimate)")
         if args.out is None:
             raise UserError("--out DIR is needed to run a suite")
         out = args.out.resolve()  # torchtitan takes absolute checkpoint paths (the grafts' initial load)

@@ -197,6 +197,7 @@ def test_gradmem_perplexity_reads_each_segment_after_the_memory_of_every_token_b
 @pytest.mark.parametrize("args,message", [
     (["--suite", "gpu"], "unknown suite 'gpu'"),
     (["--suite", "ci", "--rows", "mela,titans_xyz"], "unknown row(s) ['titans_xyz']"),
+    (["--suite", "paper"], "pass --dry-run to preflight them"),  # not the debug rows in one process
 ])
 def test_bad_input_is_one_line_and_exit_2_writing_nothing(tmp_path, args, message):
     run = leaderboard(*args, "--out", str(tmp_path / "out"))
