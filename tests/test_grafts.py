@@ -126,7 +126,10 @@ def test_a_lora_finetune_from_hugging_face_keeps_the_backbone_and_exports_merged
         hf = load_without_project(out, tmp_path / "x.pt", tmp_path)
         assert hf["class"] == exported_class  # unmerged: backbone + LoRA as remote code
         with torch.no_grad():
-            assert (hf["logits"] - model(x)).abs().max() < 1e-5
+            ours = model(x)
+        # Merged, W + scale * B A is rounded once in fp32 (unmerged: the same sums in another
+        # order): 1.9e-5 at logits of 0.4 was seen, so the bound is relative, 1e-4 (fp32 order).
+        assert (hf["logits"] - ours).abs().max() / ours.abs().max() < 1e-4
 
 
 class ToyGraftBlock(torch.nn.Module):
