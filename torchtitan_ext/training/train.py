@@ -1,8 +1,10 @@
 """Training entry point: `python -m torchtitan_ext.training.train --module M --config F [--section.key value ...]`.
 
 Runs torchtitan 0.3.0's own `torchtitan.train.main` after
-1. the CPU support (only without an accelerator); the torch-version mends (`torch_compat`) are
-   in place from the import of `torchtitan_ext`,
+1. the environment checked (torch >= 2.11, every package the run imports: one line naming what
+   is missing) and the CPU support (only without an accelerator); the torch-version mends
+   (`torch_compat`) are in place from the import of `torchtitan_ext`, and torchtitan's
+   CUDA-graph step is turned off where this torch cannot replay flex-attention masks,
 2. the command line parsed (`cli.py`) and checked (`preflight.py`), so that bad input ends
    with one line naming the problem and the fix, and exit code 2, before any work,
 3. fitting the local batch to the data-parallel degree (`preflight.fitted_local_batch`:
@@ -63,11 +65,12 @@ def _resume_args(config) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cpu.apply()
     from torchtitan_ext.training import cli, preflight
 
     explicit = cli.option_value(argv, "--training.local_batch_size") is not None
     try:
+        preflight.check_environment()  # before torchtitan is imported (cpu.apply, parse): a missing package is one line
+        cpu.apply()
         config = cli.parse(argv)
         preflight.check(config, explicit_local_batch=explicit)
         local_batch = preflight.fitted_local_batch(config, preflight.world_size(), explicit)
