@@ -126,7 +126,8 @@ def train(model: torch.nn.Module, task: Task, *, steps: int, lr: float = 3e-3, b
         optimizer.step()
         schedule.step()
         run.last_loss = loss.item()
-        if not math.isfinite(run.last_loss) or not all(torch.isfinite(p).all() for p in model.parameters()):
+        finite = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()  # one host sync, not one a tensor
+        if not math.isfinite(run.last_loss) or not finite.item():
             run.nonfinite_step = step
             break
         if step % eval_every == 0 or step == steps:
