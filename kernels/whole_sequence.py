@@ -1,0 +1,260 @@
+"""The whole-sequence memory path: every chunk of a sequence read and written by one forward
+and one backward kernel per layer (kernels/whole_sequence_triton.py), with its plain torch
+reference beside it.
+
+The memory is a depth-2 MLP of fast weights per (batch, head), M(x) = silu(x W_1) W_2
+(`residual`: x + M(x)), W_1 (d, h), W_2 (h, d), each stacked with its momentum as [M; S]
+(B, H, 2, in, out). A sequence is N chunks of C tokens. Chunk c writes the associative
+loss's weighted gradient sums G_m = grad_W sum_t tw[t, m] / 2 ||M(k_t) - v_t||^2 taken at the
+state entering the chunk (the per-token gradients of Titans' parallel training, arXiv:2501.00663
+section 3.2; the factor 2, theta and signs are in the token weights, `chunk_gates` in
+models/memory/neural_memory.py) and updates the state by one of two rules:
+
+- the mix rule (Titans' per-token rule unrolled over a chunk, MemoryLlama thesis eq. 2.39-2.40;
+  also the chunk rule without Newton-Schulz): [M'; S'] = mix [M; S] + [G_0; G_1], token
+  weights (B, H, N, C, 2), gates = mix (B, H, N, 2, 2);
+- the Newton-Schulz rule (Mela eq. 10-11; MemoryLlama's Muon update): S' = eta S - G_0,
+  M' = (1 - alpha) M + step_scale NS_k(S'), token weights (B, H, N, C, 1), gates (B, H, N, 2)
+  = (eta, alpha), NS with Muon's coefficients (kernels/reference.py).
+
+Chunk c's queries read M_{c-1} (the state entering it: thesis eq. 2.41), or with
+`read_after_write` its own M_c (Mela's HMM). Returns y (B, H, N, C, d) and the final state.
+
+`whole_sequence_reference` is the rule in plain torch, the per-token gradients by autograd
+(`torch.func.grad`), differentiated by autograd. `whole_sequence_memory` runs the Triton
+kernels through two custom ops (`memory_kernels::whole_sequence_fwd` / `_bwd`), which
+torch.compile keeps opaque (the chunk loop is never traced, whatever T) and which have meta
+implementations (the launch count and shapes can be checked on the meta device). The forward
+keeps the state entering every chunk for the backward (`saved_bytes`); the backward recomputes
+each chunk from it, so nothing per token is kept besides the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import MUON_COEFFICIENTS, newton_schulz_reference
+
+try:
+    import triton
+
+    from kernels import whole_sequence_triton as _kernels
+except ImportError:  # the torch reference needs no triton (a Hugging Face export ships without it)
+    triton = _kernels = None
+
+HIDDEN_BLOCK = 64  # the kernels walk the hidden width in blocks of this many columns
+MAX_TILE = 128  # head_dim and chunk: whole tiles of one program (padded to a power of two)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch reference
+
+
+def _mlp(weights, x, residual):
+    w1, w2 = weights
+    out = F.silu(x @ w1) @ w2
+    return out + x if residual else out
+
+
+def _write_gradients(weights, k, v, token_weights, residual):
+    """G_m = grad_W sum_t token_weights[t, m] / 2 ||M(k_t) - v_t||^2 for each weighting m,
+    by autograd: a tuple per m of (dW_1, dW_2), each (B, H, in, out)."""
+    def loss(w, m):
+        error = _mlp(w, k, residual) - v
+        return 0.5 * (token_weights[..., m, None] * error.square()).sum()
+
+    return [torch.func.grad(loss)(tuple(weights), m) for m in range(token_weights.shape[-1])]
+
+
+def whole_sequence_reference(state, q, k, v, token_weights, gates, ns_steps: int = 0, step_scale: float = 1.0,
+                             residual: bool = False, read_after_write: bool = False):
+    """The module docstring's rule in plain torch, chunk by chunk; arithmetic in the state's dtype."""
+    dtype = state[0].dtype
+    q, k, v, token_weights, gates = (t.to(dtype) for t in (q, k, v, token_weights, gates))
+    ys = []
+    for c in range(q.shape[2]):
+        weights = [s[:, :, 0] for s in state]
+        grads = _write_gradients(weights, k[:, :, c], v[:, :, c], token_weights[:, :, c], residual)
+        if ns_steps:
+            eta, alpha = gates[:, :, c, 0, None, None], gates[:, :, c, 1, None, None]
+            new = []
+            for s, g in zip(state, grads[0]):
+                momentum = eta * s[:, :, 1] - g
+                step = newton_schulz_reference(momentum, ns_steps, MUON_COEFFICIENTS)
+                new.append(torch.stack([(1 - alpha) * s[:, :, 0] + step_scale * step, momentum], 2))
+        else:
+            mix = gates[:, :, c]
+            new = [torch.einsum("bhij,bhjxy->bhixy", mix, s) + torch.stack([g0, g1], 2)
+                   for s, g0, g1 in zip(state, grads[0], grads[1])]
+        read = new if read_after_write else state
+        ys.append(_mlp([s[:, :, 0] for s in read], q[:, :, c], residual))
+        state = tuple(new)
+    return torch.stack(ys, 2), state
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton, through custom ops
+
+
+def refusal(state, q, k, v, token_weights, gates, ns_steps: int) -> str | None:
+    """Why the Triton path cannot take this call (None when it can)."""
+    if _kernels is None:
+        return "triton is not installed"
+    device = q.device.type
+    if device not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the inputs are on {q.device}: the kernels need a CUDA device (or TRITON_INTERPRET=1)"
+    if len(state) != 2:
+        return f"depth {len(state)}: the whole-sequence kernels take depth 2"
+    if any(s.dtype != torch.float32 for s in state):
+        return f"state dtype {state[0].dtype}: the kernels keep a float32 state"
+    if any(t.dtype not in (torch.float32, torch.bfloat16) for t in (q, k, v, token_weights, gates)):
+        return "q, k, v, token weights and gates must be float32 or bfloat16"
+    batch, heads, chunks, chunk, dim = q.shape
+    hidden = state[0].shape[-1]
+    if max(dim, chunk) > MAX_TILE:
+        return f"head_dim {dim}, chunk {chunk}: the kernels take each up to {MAX_TILE}"
+    expected = [(batch, heads, 2, dim, hidden), (batch, heads, 2, hidden, dim)]
+    if [tuple(s.shape) for s in state] != expected:
+        return f"state shapes {[tuple(s.shape) for s in state]}; expected {expected}"
+    weightings = 1 if ns_steps else 2
+    gate_shape = (batch, heads, chunks, 2) if ns_steps else (batch, heads, chunks, 2, 2)
+    for name, t, shape in (("k", k, q.shape), ("v", v, q.shape),
+                           ("token_weights", token_weights, (batch, heads, chunks, chunk, weightings)),
+                           ("gates", gates, gate_shape)):
+        if tuple(t.shape) != tuple(shape):
+            return f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}"
+    return None
+
+
+def _blocks(dim: int, chunk: int, hidden: int) -> dict:
+    pad = triton.next_power_of_2 if triton else (lambda n: 1 << (n - 1).bit_length())
+    return {"BC": max(16, pad(chunk)), "BD": max(16, pad(dim)), "BH": max(16, min(HIDDEN_BLOCK, pad(hidden))),
+            "num_warps": 8 if dim * chunk > 64 * 32 else 4}
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().flatten(0, 1)
+
+
+def _launch_options(q, s1, ns_steps):
+    a, b, c = MUON_COEFFICIENTS
+    return dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c,
+                **_blocks(q.shape[-1], q.shape[-2], s1.shape[-1]))
+
+
+@torch.library.custom_op("memory_kernels::whole_sequence_fwd", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
+                s1: torch.Tensor, s2: torch.Tensor, ns_steps: int, step_scale: float, residual: bool,
+                read_after_write: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (B, H, N, C, d), final s1, final s2, ck1 (B*H, N + 1, 2, d, h), ck2 (B*H, N + 1, 2, h, d)),
+    all fp32: one launch (the final state is copied out of the checkpoints' last entry)."""
+    batch, heads, chunks, chunk, dim = q.shape
+    hidden = s1.shape[-1]
+    ck1 = q.new_empty(batch * heads, chunks + 1, 2, dim, hidden, dtype=torch.float32)
+    ck2 = q.new_empty(batch * heads, chunks + 1, 2, hidden, dim, dtype=torch.float32)
+    ck1[:, 0], ck2[:, 0] = _flat(s1), _flat(s2)
+    y = q.new_empty(q.shape, dtype=torch.float32)
+    scratch = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32) if ns_steps else y
+    _kernels.whole_sequence_fwd[(batch * heads,)](
+        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2, y, scratch, float(step_scale),
+        chunks, chunk, dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write,
+        **_launch_options(q, s1, ns_steps))
+    return y, ck1[:, -1].view(s1.shape).clone(), ck2[:, -1].view(s2.shape).clone(), ck1, ck2
+
+
+@_forward_op.register_fake
+def _(q, k, v, token_weights, gates, s1, s2, ns_steps, step_scale, residual, read_after_write):
+    batch, heads, chunks, chunk, dim = q.shape
+    hidden = s1.shape[-1]
+    return (q.new_empty(q.shape, dtype=torch.float32), s1.new_empty(s1.shape, dtype=torch.float32),
+            s2.new_empty(s2.shape, dtype=torch.float32),
+            q.new_empty(batch * heads, chunks + 1, 2, dim, hidden, dtype=torch.float32),
+            q.new_empty(batch * heads, chunks + 1, 2, hidden, dim, dtype=torch.float32))
+
+
+@torch.library.custom_op("memory_kernels::whole_sequence_bwd", mutates_args=())
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
+                 ck1: torch.Tensor, ck2: torch.Tensor, dy: torch.Tensor, dn1: torch.Tensor, dn2: torch.Tensor,
+                 ns_steps: int, step_scale: float, residual: bool, read_after_write: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
+    """(dq, dk, dv, d token_weights, d gates, d s1, d s2), all fp32: one launch."""
+    batch, heads, chunks, chunk, dim = q.shape
+    hidden = ck1.shape[-1]
+    ds1 = dn1.to(torch.float32).contiguous().clone().flatten(0, 1)
+    ds2 = dn2.to(torch.float32).contiguous().clone().flatten(0, 1)
+    dq, dk, dv = (q.new_empty(q.shape, dtype=torch.float32) for _ in range(3))
+    dtw = q.new_empty(token_weights.shape, dtype=torch.float32)
+    dgates = q.new_empty(gates.shape, dtype=torch.float32)
+    iterates = q.new_empty(batch * heads, 2, max(ns_steps, 1), dim, hidden, dtype=torch.float32)
+    ybuf = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32)
+    _kernels.whole_sequence_bwd[(batch * heads,)](
+        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2, _flat(dy.to(torch.float32)),
+        ds1, ds2, dq, dk, dv, dtw, dgates, iterates, ybuf, float(step_scale), chunks, chunk, dim, hidden,
+        RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, ck1, ns_steps))
+    return dq, dk, dv, dtw, dgates, ds1.view(dn1.shape), ds2.view(dn2.shape)
+
+
+@_backward_op.register_fake
+def _(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2, ns_steps, step_scale, residual, read_after_write):
+    fp32 = dict(dtype=torch.float32)
+    return (q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32),
+            q.new_empty(token_weights.shape, **fp32), q.new_empty(gates.shape, **fp32),
+            q.new_empty(dn1.shape, **fp32), q.new_empty(dn2.shape, **fp32))
+
+
+_OPTIONS = ("ns_steps", "step_scale", "residual", "read_after_write")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, token_weights, gates, s1, s2, *options = inputs
+    *_, ck1, ck2 = output
+    ctx.save_for_backward(q, k, v, token_weights, gates, ck1, ck2)
+    ctx.mark_non_differentiable(ck1, ck2)
+    ctx.set_materialize_grads(False)
+    ctx.options = options
+    ctx.state_shapes = (s1.shape, s2.shape)
+
+
+def _backward(ctx, dy, dn1, dn2, _dck1, _dck2):
+    """Gradients of (y, final state) back to the inputs and the initial state; an output
+    nothing used arrives as None and counts as zero."""
+    q, k, v, token_weights, gates, ck1, ck2 = ctx.saved_tensors
+    dy = q.new_zeros(q.shape, dtype=torch.float32) if dy is None else dy
+    dn1, dn2 = (q.new_zeros(shape, dtype=torch.float32) if d is None else d
+                for d, shape in zip((dn1, dn2), ctx.state_shapes))
+    dq, dk, dv, dtw, dgates, ds1, ds2 = _backward_op(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2,
+                                                     *ctx.options)
+    cast = [g.to(t.dtype) for g, t in zip((dq, dk, dv, dtw, dgates), (q, k, v, token_weights, gates))]
+    return (*cast, ds1, ds2, None, None, None, None)
+
+
+torch.library.register_autograd("memory_kernels::whole_sequence_fwd", _backward, setup_context=_setup_context)
+
+
+def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 0, step_scale: float = 1.0,
+                          residual: bool = False, read_after_write: bool = False):
+    """The Triton path of the module docstring's rule: (y (B, H, N, C, d) fp32, final state
+    (two (B, H, 2, in, out) fp32)). ValueError naming the reason where it cannot run (`refusal`)."""
+    reason = refusal(state, q, k, v, token_weights, gates, ns_steps)
+    if reason is not None:
+        raise ValueError(f"whole_sequence_memory: {reason}; use the chunked path")
+    flat_gates = gates if ns_steps else gates.flatten(-2)
+    y, s1, s2, _, _ = _forward_op(q, k, v, token_weights, flat_gates, state[0], state[1], ns_steps, float(step_scale),
+                                  residual, read_after_write)
+    return y, (s1, s2)
+
+
+def saved_bytes(batch: int, heads: int, seq_len: int, chunk: int, head_dim: int, hidden: int,
+                input_bytes: int = 2) -> int:
+    """Bytes the whole-sequence path keeps from forward to backward for one layer: the fp32
+    state entering each chunk and the final state ([M; S] of W_1 and W_2) plus q, k, v
+    (`input_bytes` each element), two token weightings and four gates per chunk in fp32."""
+    chunks = math.ceil(seq_len / chunk)
+    state = (chunks + 1) * 2 * 2 * head_dim * hidden * 4
+    inputs = 3 * seq_len * head_dim * input_bytes + seq_len * 2 * 4 + chunks * 4 * 4
+    return batch * heads * (state + inputs)

@@ -1,0 +1,427 @@
+"""Triton kernels of the whole-sequence memory path (kernels/whole_sequence.py states the
+rules and holds the torch reference): one forward and one backward launch per layer and
+training step, whatever the sequence length. One program per (batch, head) walks the
+sequence's N chunks in order (forward) or in reverse (backward).
+
+Why it fits the paper memory shapes (head_dim 64, hidden 256, chunk 64), which the per-chunk
+kernel (kernels/token_step.py) refuses: no program holds a whole weight matrix. Every pass
+over the fast weights walks the hidden width in blocks of BH (64) columns of W_1 (D, HD) and
+the matching rows of W_2 (HD, D); what spans the hidden width is a sum over blocks (the
+memory's output, the error's gradient, Newton-Schulz's D x D Gram matrix) kept in registers.
+The state lives in global memory (L2 on an H100: 256 KiB per head at the paper shape):
+
+- forward: the state entering chunk c is checkpointed, ck[c] (B*H, N + 1, 2, in, out) holds
+  [M; S] before chunk c and ck[N] the final state, so chunk c reads ck[c] and writes ck[c + 1];
+- backward: chunk c is recomputed from ck[c] (and ck[c + 1], where the read follows the write
+  or Newton-Schulz is differentiated); the state's gradient is updated in place, from the
+  final state's back to the initial state's.
+
+Newton-Schulz (NS_STEPS > 0) works on the wide view (D, HD) of each matrix (W_2 read
+transposed through its strides: NS(X^T) = NS(X)^T); its iterates go to a scratch buffer,
+(B*H, 2, NS_STEPS, D, HD) in the backward. A barrier separates every pass that writes a
+buffer from the next pass that reads it (one program is one block of threads).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP32_DOT = tl.constexpr("tf32x3")  # about fp32 accuracy on tensor cores (as kernels/token_step.py)
+
+
+@triton.jit
+def _load(ptr, rows, cols, n_rows, n_cols, stride_r, stride_c):
+    """The (len(rows), len(cols)) fp32 tile at ptr[rows * stride_r + cols * stride_c], 0 outside."""
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, value, rows, cols, n_rows, n_cols, stride_r, stride_c):
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, value.to(ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _dot(a, b):
+    return tl.dot(a, b, input_precision=FP32_DOT)
+
+
+@triton.jit
+def _silu_parts(pre):
+    """(silu(pre), silu'(pre), silu''(pre))."""
+    sig = tl.sigmoid(pre)
+    return pre * sig, sig * (1 + pre * (1 - sig)), sig * (1 - sig) * (2 + pre * (1 - 2 * sig))
+
+
+@triton.jit
+def _chunk_rows(ptr, pid, c, N, C, D, rc, rd):
+    """Chunk c's (C, D) tile of a (B*H, N, C, D) tensor."""
+    return _load(ptr + (pid * N + c) * C * D, rc, rd, C, D, D, 1)
+
+
+@triton.jit
+def _token_weight(tw_ptr, pid, c, N, C, K, m, rc):
+    return tl.load(tw_ptr + (pid * N + c) * C * K + rc * K + m, mask=rc < C, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mlp(x, w1_ptr, w2_ptr, D, HD, rd, rh, BH: tl.constexpr):
+    """M(x) = silu(x W_1) W_2 for x (BC, BD); W_1 (D, HD), W_2 (HD, D) row-major."""
+    out = tl.zeros_like(x)
+    for h0 in range(0, HD, BH):
+        w1 = _load(w1_ptr + h0, rd, rh, D, HD - h0, HD, 1)
+        w2 = _load(w2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1)
+        act, _, _ = _silu_parts(_dot(x, w1))
+        out += _dot(act, w2)
+    return out
+
+
+@triton.jit
+def _read_backward(q, dy, w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, D, HD, rd, rh, BH: tl.constexpr):
+    """Backward of y = silu(q W_1) W_2: returns dq (BC, BD) and adds dW_1, dW_2 in place to
+    dw1_ptr (D, HD), dw2_ptr (HD, D)."""
+    dq = tl.zeros_like(q)
+    for h0 in range(0, HD, BH):
+        w1 = _load(w1_ptr + h0, rd, rh, D, HD - h0, HD, 1)
+        w2 = _load(w2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1)
+        act, d1, _ = _silu_parts(_dot(q, w1))
+        d_pre = _dot(dy, tl.trans(w2)) * d1
+        dq += _dot(d_pre, tl.trans(w1))
+        dw1 = _load(dw1_ptr + h0, rd, rh, D, HD - h0, HD, 1) + _dot(tl.trans(q), d_pre)
+        dw2 = _load(dw2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1) + _dot(tl.trans(act), dy)
+        _store(dw1_ptr + h0, dw1, rd, rh, D, HD - h0, HD, 1)
+        _store(dw2_ptr + h0 * D, dw2, rh, rd, HD - h0, D, D, 1)
+    return dq
+
+
+@triton.jit
+def _ns_forward(src_ptr, src_sd, src_sh, x_ptr, D, HD, rd, rh, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr,
+                B_COEF: tl.constexpr, C_COEF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+    """x (D, HD) row-major <- NewtonSchulz(src), src the (D, HD) view src_ptr[d * src_sd + h * src_sh]:
+    X = src / (||src||_F + 1e-7), then NS_STEPS of X = a X + (b A + c A^2) X, A = X X^T."""
+    squares = 0.0
+    for h0 in range(0, HD, BH):
+        block = _load(src_ptr + h0 * src_sh, rd, rh, D, HD - h0, src_sd, src_sh)
+        squares += tl.sum(tl.sum(block * block, axis=1), axis=0)
+    scale = 1.0 / (tl.sqrt(squares) + 1e-7)
+    for h0 in range(0, HD, BH):
+        block = _load(src_ptr + h0 * src_sh, rd, rh, D, HD - h0, src_sd, src_sh)
+        _store(x_ptr + h0, block * scale, rd, rh, D, HD - h0, HD, 1)
+    tl.debug_barrier()
+    for _ in tl.static_range(NS_STEPS):
+        gram = tl.zeros((BD, BD), dtype=tl.float32)
+        for h0 in range(0, HD, BH):
+            block = _load(x_ptr + h0, rd, rh, D, HD - h0, HD, 1)
+            gram += _dot(block, tl.trans(block))
+        poly = B_COEF * gram + C_COEF * _dot(gram, gram)
+        tl.debug_barrier()
+        for h0 in range(0, HD, BH):
+            block = _load(x_ptr + h0, rd, rh, D, HD - h0, HD, 1)
+            _store(x_ptr + h0, A_COEF * block + _dot(poly, block), rd, rh, D, HD - h0, HD, 1)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, HD, rd, rh, NS_STEPS: tl.constexpr,
+                 A_COEF: tl.constexpr, B_COEF: tl.constexpr, C_COEF: tl.constexpr, BD: tl.constexpr,
+                 BH: tl.constexpr):
+    """Backward of M' = ... + step_scale NS(S') for one matrix, all three the (D, HD) view
+    [d * sd + h * sh] of their buffers: S' at s_ptr, dL/dM' at dm_ptr; dL/dS' at ds_ptr is
+    replaced in place by dL/dS' + step_scale NS'(S')^T dL/dM'. iter_ptr (NS_STEPS, D, HD) and
+    y_ptr (D, HD) are scratch (row-major). With Y = dL/dX_{k+1}, A, B of step k:
+    dB = Y X_k^T, dA = b dB + c (dB A + A dB), dX_k = a Y + B Y + (dA + dA^T) X_k."""
+    squares = 0.0
+    for h0 in range(0, HD, BH):
+        block = _load(s_ptr + h0 * sh, rd, rh, D, HD - h0, sd, sh)
+        squares += tl.sum(tl.sum(block * block, axis=1), axis=0)
+    norm = tl.sqrt(squares)
+    scale = 1.0 / (norm + 1e-7)
+    for h0 in range(0, HD, BH):
+        block = _load(s_ptr + h0 * sh, rd, rh, D, HD - h0, sd, sh)
+        _store(iter_ptr + h0, block * scale, rd, rh, D, HD - h0, HD, 1)
+        _store(y_ptr + h0, step_scale * _load(dm_ptr + h0 * sh, rd, rh, D, HD - h0, sd, sh), rd, rh, D, HD - h0, HD, 1)
+    tl.debug_barrier()
+    for k in tl.static_range(NS_STEPS - 1):  # the iterates X_1 .. X_{NS_STEPS - 1}
+        here, there = iter_ptr + k * D * HD, iter_ptr + (k + 1) * D * HD
+        gram = tl.zeros((BD, BD), dtype=tl.float32)
+        for h0 in range(0, HD, BH):
+            block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
+            gram += _dot(block, tl.trans(block))
+        poly = B_COEF * gram + C_COEF * _dot(gram, gram)
+        for h0 in range(0, HD, BH):
+            block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
+            _store(there + h0, A_COEF * block + _dot(poly, block), rd, rh, D, HD - h0, HD, 1)
+        tl.debug_barrier()
+    for step in tl.static_range(NS_STEPS):
+        here = iter_ptr + (NS_STEPS - 1 - step) * D * HD
+        gram = tl.zeros((BD, BD), dtype=tl.float32)
+        d_poly = tl.zeros((BD, BD), dtype=tl.float32)
+        for h0 in range(0, HD, BH):
+            block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
+            grad = _load(y_ptr + h0, rd, rh, D, HD - h0, HD, 1)
+            gram += _dot(block, tl.trans(block))
+            d_poly += _dot(grad, tl.trans(block))
+        poly = B_COEF * gram + C_COEF * _dot(gram, gram)
+        d_gram = B_COEF * d_poly + C_COEF * (_dot(d_poly, gram) + _dot(gram, d_poly))
+        d_gram = d_gram + tl.trans(d_gram)
+        tl.debug_barrier()
+        for h0 in range(0, HD, BH):
+            block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
+            grad = _load(y_ptr + h0, rd, rh, D, HD - h0, HD, 1)
+            grad = A_COEF * grad + _dot(poly, grad) + _dot(d_gram, block)
+            _store(y_ptr + h0, grad, rd, rh, D, HD - h0, HD, 1)
+        tl.debug_barrier()
+    # X_0 = S' / (n + 1e-7), n = ||S'||_F
+    inner = 0.0
+    for h0 in range(0, HD, BH):
+        block = _load(s_ptr + h0 * sh, rd, rh, D, HD - h0, sd, sh)
+        inner += tl.sum(tl.sum(block * _load(y_ptr + h0, rd, rh, D, HD - h0, HD, 1), axis=1), axis=0)
+    through_norm = tl.where(norm > 0, -inner * scale * scale / tl.maximum(norm, 1e-30), 0.0)
+    for h0 in range(0, HD, BH):
+        block = _load(s_ptr + h0 * sh, rd, rh, D, HD - h0, sd, sh)
+        grad = _load(ds_ptr + h0 * sh, rd, rh, D, HD - h0, sd, sh)
+        grad += _load(y_ptr + h0, rd, rh, D, HD - h0, HD, 1) * scale + through_norm * block
+        _store(ds_ptr + h0 * sh, grad, rd, rh, D, HD - h0, sd, sh)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _key_error(k, v, w1_ptr, w2_ptr, D, HD, rd, rh, RESIDUAL: tl.constexpr, BH: tl.constexpr):
+    """delta = M(k) - v (BC, BD), the error the write back-propagates."""
+    out = _mlp(k, w1_ptr, w2_ptr, D, HD, rd, rh, BH)
+    if RESIDUAL:
+        out += k
+    return out - v
+
+
+@triton.jit
+def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr, y_ptr, x_ptr, step_scale, N, C, D, HD,
+                       K: tl.constexpr, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr, B_COEF: tl.constexpr,
+                       C_COEF: tl.constexpr, RESIDUAL: tl.constexpr, READ_AFTER_WRITE: tl.constexpr,
+                       BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+    """One (batch, head) over its N chunks. q, k, v (N, C, D); tw (N, C, K); gates (N, 4) =
+    the mix [[m00, m01], [m10, m11]] (NS_STEPS 0) or (N, 2) = (eta, alpha); ck1 (N + 1, 2, D, HD),
+    ck2 (N + 1, 2, HD, D) with ck[0] given; writes ck[1..N] and y (N, C, D); x (2, D, HD) scratch."""
+    pid = tl.program_id(0).to(tl.int64)
+    rc, rd, rh = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BH)
+    size1, size2 = D * HD, HD * D
+    for c in range(N):
+        q = _chunk_rows(q_ptr, pid, c, N, C, D, rc, rd)
+        k = _chunk_rows(k_ptr, pid, c, N, C, D, rc, rd)
+        v = _chunk_rows(v_ptr, pid, c, N, C, D, rc, rd)
+        tw0 = _token_weight(tw_ptr, pid, c, N, C, K, 0, rc)
+        tw1 = _token_weight(tw_ptr, pid, c, N, C, K, K - 1, rc)
+        old1 = ck1_ptr + (pid * (N + 1) + c) * 2 * size1
+        old2 = ck2_ptr + (pid * (N + 1) + c) * 2 * size2
+        new1, new2 = old1 + 2 * size1, old2 + 2 * size2
+        delta = _key_error(k, v, old1, old2, D, HD, rd, rh, RESIDUAL, BH)
+        if not READ_AFTER_WRITE:
+            y = _mlp(q, old1, old2, D, HD, rd, rh, BH)
+        if NS_STEPS > 0:
+            eta = tl.load(gates_ptr + (pid * N + c) * 2).to(tl.float32)
+            alpha = tl.load(gates_ptr + (pid * N + c) * 2 + 1).to(tl.float32)
+        else:
+            m00 = tl.load(gates_ptr + (pid * N + c) * 4).to(tl.float32)
+            m01 = tl.load(gates_ptr + (pid * N + c) * 4 + 1).to(tl.float32)
+            m10 = tl.load(gates_ptr + (pid * N + c) * 4 + 2).to(tl.float32)
+            m11 = tl.load(gates_ptr + (pid * N + c) * 4 + 3).to(tl.float32)
+        for h0 in range(0, HD, BH):
+            w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
+            s1 = _load(old1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
+            w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            s2 = _load(old2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            act, d1, _ = _silu_parts(_dot(k, w1))
+            err = _dot(delta, tl.trans(w2)) * d1  # the error back through W_2 and the SiLU, (BC, BH)
+            g1_0 = _dot(tl.trans(k * tw0[:, None]), err)
+            g2_0 = _dot(tl.trans(act * tw0[:, None]), delta)
+            if NS_STEPS > 0:  # S' = eta S - G; M' after Newton-Schulz below
+                _store(new1 + size1 + h0, eta * s1 - g1_0, rd, rh, D, HD - h0, HD, 1)
+                _store(new2 + size2 + h0 * D, eta * s2 - g2_0, rh, rd, HD - h0, D, D, 1)
+            else:  # [M'; S'] = mix [M; S] + [G_0; G_1]
+                g1_1 = _dot(tl.trans(k * tw1[:, None]), err)
+                g2_1 = _dot(tl.trans(act * tw1[:, None]), delta)
+                _store(new1 + h0, m00 * w1 + m01 * s1 + g1_0, rd, rh, D, HD - h0, HD, 1)
+                _store(new1 + size1 + h0, m10 * w1 + m11 * s1 + g1_1, rd, rh, D, HD - h0, HD, 1)
+                _store(new2 + h0 * D, m00 * w2 + m01 * s2 + g2_0, rh, rd, HD - h0, D, D, 1)
+                _store(new2 + size2 + h0 * D, m10 * w2 + m11 * s2 + g2_1, rh, rd, HD - h0, D, D, 1)
+        tl.debug_barrier()
+        if NS_STEPS > 0:  # M' = (1 - alpha) M + step_scale NS(S'), per matrix on its (D, HD) view
+            x1 = x_ptr + pid * 2 * size1
+            x2 = x1 + size1
+            _ns_forward(new1 + size1, HD, 1, x1, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
+            _ns_forward(new2 + size2, 1, D, x2, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
+            for h0 in range(0, HD, BH):
+                w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
+                w2t = _load(old2 + h0 * D, rd, rh, D, HD - h0, 1, D)
+                step1 = _load(x1 + h0, rd, rh, D, HD - h0, HD, 1)
+                step2 = _load(x2 + h0, rd, rh, D, HD - h0, HD, 1)
+                _store(new1 + h0, (1 - alpha) * w1 + step_scale * step1, rd, rh, D, HD - h0, HD, 1)
+                _store(new2 + h0 * D, (1 - alpha) * w2t + step_scale * step2, rd, rh, D, HD - h0, 1, D)
+            tl.debug_barrier()
+        if READ_AFTER_WRITE:
+            y = _mlp(q, new1, new2, D, HD, rd, rh, BH)
+        if RESIDUAL:
+            y += q
+        _store(y_ptr + (pid * N + c) * C * D, y, rc, rd, C, D, D, 1)
+
+
+@triton.jit
+def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr, dy_ptr, ds1_ptr, ds2_ptr,
+                       dq_ptr, dk_ptr, dv_ptr, dtw_ptr, dgates_ptr, iter_ptr, ybuf_ptr, step_scale, N, C, D, HD,
+                       K: tl.constexpr, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr, B_COEF: tl.constexpr,
+                       C_COEF: tl.constexpr, RESIDUAL: tl.constexpr, READ_AFTER_WRITE: tl.constexpr,
+                       BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+    """One (batch, head), chunks N-1 .. 0, recomputing each from its checkpoint. ds1 (2, D, HD),
+    ds2 (2, HD, D) enter as dL/d(final state) and leave as dL/d(initial state); writes dq, dk, dv
+    (N, C, D), dtw (N, C, K), dgates like gates. Scratch: iter (2, NS_STEPS, D, HD), ybuf (2, D, HD).
+
+    Per chunk, with gG_m = dL/dG_m (the mix rule: dL/d[M'; S']; Newton-Schulz: G_0 enters
+    S' = eta S - G_0, so gG_0 = -dL/dS' after NS's backward): G_2[m] = (act tw_m)^T delta,
+    G_1[m] = (k tw_m)^T err, err = (delta W_2^T) silu'(pre), delta = M(k) - v."""
+    pid = tl.program_id(0).to(tl.int64)
+    rc, rd, rh = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BH)
+    size1, size2 = D * HD, HD * D
+    ds1, ds2 = ds1_ptr + pid * 2 * size1, ds2_ptr + pid * 2 * size2
+    for step in range(N):
+        c = N - 1 - step
+        q = _chunk_rows(q_ptr, pid, c, N, C, D, rc, rd)
+        k = _chunk_rows(k_ptr, pid, c, N, C, D, rc, rd)
+        v = _chunk_rows(v_ptr, pid, c, N, C, D, rc, rd)
+        dy = _chunk_rows(dy_ptr, pid, c, N, C, D, rc, rd)
+        tw0 = _token_weight(tw_ptr, pid, c, N, C, K, 0, rc)
+        tw1 = _token_weight(tw_ptr, pid, c, N, C, K, K - 1, rc)
+        old1 = ck1_ptr + (pid * (N + 1) + c) * 2 * size1
+        old2 = ck2_ptr + (pid * (N + 1) + c) * 2 * size2
+        new1, new2 = old1 + 2 * size1, old2 + 2 * size2
+        dq = tl.zeros_like(q)
+        if READ_AFTER_WRITE:  # y = M'(q): into dL/dM' before anything reads it
+            dq += _read_backward(q, dy, new1, new2, ds1, ds2, D, HD, rd, rh, BH)
+            tl.debug_barrier()
+        if NS_STEPS > 0:
+            eta = tl.load(gates_ptr + (pid * N + c) * 2).to(tl.float32)
+            alpha = tl.load(gates_ptr + (pid * N + c) * 2 + 1).to(tl.float32)
+            d_eta = 0.0
+            d_alpha = 0.0
+            _ns_backward(new1 + size1, ds1, ds1 + size1, HD, 1, iter_ptr + pid * 2 * NS_STEPS * size1,
+                         ybuf_ptr + pid * 2 * size1, step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
+            _ns_backward(new2 + size2, ds2, ds2 + size2, 1, D, iter_ptr + (pid * 2 + 1) * NS_STEPS * size1,
+                         ybuf_ptr + (pid * 2 + 1) * size1, step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF,
+                         BD, BH)
+        else:
+            m00 = tl.load(gates_ptr + (pid * N + c) * 4).to(tl.float32)
+            m01 = tl.load(gates_ptr + (pid * N + c) * 4 + 1).to(tl.float32)
+            m10 = tl.load(gates_ptr + (pid * N + c) * 4 + 2).to(tl.float32)
+            m11 = tl.load(gates_ptr + (pid * N + c) * 4 + 3).to(tl.float32)
+            d00 = 0.0
+            d01 = 0.0
+            d10 = 0.0
+            d11 = 0.0
+        delta = _key_error(k, v, old1, old2, D, HD, rd, rh, RESIDUAL, BH)
+        # pass 1: dL/d delta (sums over the hidden width), the token weights' and part of k's gradient
+        d_delta = tl.zeros_like(delta)
+        dk = tl.zeros_like(k)
+        dtw0 = tl.zeros_like(tw0)
+        dtw1 = tl.zeros_like(tw1)
+        for h0 in range(0, HD, BH):
+            w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
+            w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            act, d1, _ = _silu_parts(_dot(k, w1))
+            err_in = _dot(delta, tl.trans(w2))
+            err = err_in * d1
+            if NS_STEPS > 0:
+                gg1_0 = -_load(ds1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
+                gg2_0 = -_load(ds2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            else:
+                gg1_0 = _load(ds1 + h0, rd, rh, D, HD - h0, HD, 1)
+                gg2_0 = _load(ds2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            through2 = _dot(act, gg2_0)  # (BC, BD)
+            through1 = _dot(k, gg1_0)  # (BC, BH)
+            d_delta += tw0[:, None] * through2
+            dtw0 += tl.sum(through2 * delta, axis=1) + tl.sum(through1 * err, axis=1)
+            d_err = tw0[:, None] * through1
+            dk += tw0[:, None] * _dot(err, tl.trans(gg1_0))
+            if K == 2:
+                gg1_1 = _load(ds1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
+                gg2_1 = _load(ds2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+                through2 = _dot(act, gg2_1)
+                through1 = _dot(k, gg1_1)
+                d_delta += tw1[:, None] * through2
+                dtw1 += tl.sum(through2 * delta, axis=1) + tl.sum(through1 * err, axis=1)
+                d_err += tw1[:, None] * through1
+                dk += tw1[:, None] * _dot(err, tl.trans(gg1_1))
+            d_delta += _dot(d_err * d1, w2)
+        if RESIDUAL:
+            dk += d_delta
+        # pass 2: the weights' gradients, written with the state's into the gradient buffers
+        for h0 in range(0, HD, BH):
+            w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
+            s1 = _load(old1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
+            w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            s2 = _load(old2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            act, d1, d2 = _silu_parts(_dot(k, w1))
+            err_in = _dot(delta, tl.trans(w2))
+            err = err_in * d1
+            dn1_0 = _load(ds1 + h0, rd, rh, D, HD - h0, HD, 1)
+            dn1_1 = _load(ds1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
+            dn2_0 = _load(ds2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            dn2_1 = _load(ds2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            if NS_STEPS > 0:
+                gg1_0 = -dn1_1
+                gg2_0 = -dn2_1
+            else:
+                gg1_0 = dn1_0
+                gg2_0 = dn2_0
+            d_err = tw0[:, None] * _dot(k, gg1_0)
+            d_act = tw0[:, None] * _dot(delta, tl.trans(gg2_0))
+            if K == 2:
+                d_err += tw1[:, None] * _dot(k, dn1_1)
+                d_act += tw1[:, None] * _dot(delta, tl.trans(dn2_1))
+            d_err_in = d_err * d1
+            d_act += _dot(d_delta, tl.trans(w2))
+            d_pre = d_act * d1 + d_err * err_in * d2
+            dk += _dot(d_pre, tl.trans(w1))
+            dw1 = _dot(tl.trans(k), d_pre)
+            dw2 = _dot(tl.trans(d_err_in), delta) + _dot(tl.trans(act), d_delta)
+            if not READ_AFTER_WRITE:  # y = M(q), the state before the write
+                act_q, d1_q, _ = _silu_parts(_dot(q, w1))
+                d_pre_q = _dot(dy, tl.trans(w2)) * d1_q
+                dq += _dot(d_pre_q, tl.trans(w1))
+                dw1 += _dot(tl.trans(q), d_pre_q)
+                dw2 += _dot(tl.trans(act_q), dy)
+            if NS_STEPS > 0:  # M' = (1 - alpha) M + step_scale NS(S'), S' = eta S - G_0
+                d_alpha -= tl.sum(tl.sum(dn1_0 * w1, axis=1), axis=0) + tl.sum(tl.sum(dn2_0 * w2, axis=1), axis=0)
+                d_eta += tl.sum(tl.sum(dn1_1 * s1, axis=1), axis=0) + tl.sum(tl.sum(dn2_1 * s2, axis=1), axis=0)
+                _store(ds1 + h0, (1 - alpha) * dn1_0 + dw1, rd, rh, D, HD - h0, HD, 1)
+                _store(ds1 + size1 + h0, eta * dn1_1, rd, rh, D, HD - h0, HD, 1)
+                _store(ds2 + h0 * D, (1 - alpha) * dn2_0 + dw2, rh, rd, HD - h0, D, D, 1)
+                _store(ds2 + size2 + h0 * D, eta * dn2_1, rh, rd, HD - h0, D, D, 1)
+            else:  # [M'; S'] = mix [M; S] + [G_0; G_1]
+                d00 += tl.sum(tl.sum(dn1_0 * w1, axis=1), axis=0) + tl.sum(tl.sum(dn2_0 * w2, axis=1), axis=0)
+                d01 += tl.sum(tl.sum(dn1_0 * s1, axis=1), axis=0) + tl.sum(tl.sum(dn2_0 * s2, axis=1), axis=0)
+                d10 += tl.sum(tl.sum(dn1_1 * w1, axis=1), axis=0) + tl.sum(tl.sum(dn2_1 * w2, axis=1), axis=0)
+                d11 += tl.sum(tl.sum(dn1_1 * s1, axis=1), axis=0) + tl.sum(tl.sum(dn2_1 * s2, axis=1), axis=0)
+                _store(ds1 + h0, m00 * dn1_0 + m10 * dn1_1 + dw1, rd, rh, D, HD - h0, HD, 1)
+                _store(ds1 + size1 + h0, m01 * dn1_0 + m11 * dn1_1, rd, rh, D, HD - h0, HD, 1)
+                _store(ds2 + h0 * D, m00 * dn2_0 + m10 * dn2_1 + dw2, rh, rd, HD - h0, D, D, 1)
+                _store(ds2 + size2 + h0 * D, m01 * dn2_0 + m11 * dn2_1, rh, rd, HD - h0, D, D, 1)
+        if RESIDUAL:
+            dq += dy
+        rows = (pid * N + c) * C * D
+        _store(dq_ptr + rows, dq, rc, rd, C, D, D, 1)
+        _store(dk_ptr + rows, dk, rc, rd, C, D, D, 1)
+        _store(dv_ptr + rows, -d_delta, rc, rd, C, D, D, 1)
+        tw_rows = dtw_ptr + (pid * N + c) * C * K + rc * K
+        tl.store(tw_rows, dtw0, mask=rc < C)
+        if K == 2:
+            tl.store(tw_rows + 1, dtw1, mask=rc < C)
+        if NS_STEPS > 0:
+            tl.store(dgates_ptr + (pid * N + c) * 2, d_eta)
+            tl.store(dgates_ptr + (pid * N + c) * 2 + 1, d_alpha)
+        else:
+            tl.store(dgates_ptr + (pid * N + c) * 4, d00)
+            tl.store(dgates_ptr + (pid * N + c) * 4 + 1, d01)
+            tl.store(dgates_ptr + (pid * N + c) * 4 + 2, d10)
+            tl.store(dgates_ptr + (pid * N + c) * 4 + 3, d11)
+        tl.debug_barrier()
