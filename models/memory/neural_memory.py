@@ -113,6 +113,8 @@ from kernels import bounded_compile
 from kernels import memory_update as kernel_memory_update
 from kernels import (FUSED_TOKEN_STEP_BACKENDS, full_precision, token_chunk_step, token_step_backend,
                      token_step_refusal)
+from kernels.whole_sequence import refusal as whole_sequence_refusal
+from kernels.whole_sequence import whole_sequence_memory
 
 GATE_RULES = ("token", "chunk")
 # the fields an owning model may leave None in its nested memory config and set (`filled_by`)
@@ -144,6 +146,7 @@ class NeuralMemoryConfig:
     kernel_backend: str = "auto"  # kernels.memory_update backend: auto / triton / torch / compiled (UpdateRule)
     compiled_chunk_step: bool = False  # torch.compile each chunk step (CPU fast path; two graphs per new shape)
     checkpoint_chunks: int = 0  # recompute groups of this many chunks in backward; 0 = keep every chunk's tensors
+    whole_sequence: bool = False  # all whole chunks of a call in one Triton launch forward, one backward (GPU)
     read_after_write: bool | None = False  # a chunk reads the state after its own write (Mela's HMM; whole chunks only)
     residual: bool = False  # M(x) = x + MLP(x) (docstring)
     output_proj: bool = True  # False: no output projection (needs n_heads * head_dim == dim)
@@ -341,6 +344,7 @@ class UpdateRule(NamedTuple):
     step_scale: float = 1.0
     residual: bool = False
     max_update_norm: float = 0.0
+    whole_sequence: bool = False
 
 
 def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule):
@@ -422,6 +426,34 @@ def run_chunks(step, state, q, k, v, theta, log_eta, log_keep, rule: UpdateRule)
     return outputs, state, clipped
 
 
+def sequence_gates(token_weights, decays, rule: UpdateRule):
+    """`chunk_gates`' output (all N chunks) in the form of kernels/whole_sequence.py: the
+    token rule's as it is; the chunk rule with Newton-Schulz as (eta, alpha) per chunk; the
+    chunk rule without it as the mix rule, M' = (1 - alpha) M + s (eta S - G), S' = eta S - G:
+    mix [[1 - alpha, s eta], [0, eta]], token weights (-s 2 theta, -2 theta)."""
+    if rule.gates == "token" or rule.ns_steps:
+        return token_weights, decays
+    eta, alpha = decays.unbind(-1)
+    mix = torch.stack([1 - alpha, rule.step_scale * eta, torch.zeros_like(eta), eta], -1).unflatten(-1, (2, 2))
+    return torch.cat([-rule.step_scale * token_weights, -token_weights], -1), mix
+
+
+def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: UpdateRule):
+    """All chunks (inputs (B, H, N, C, ...) as `run_chunks`) through `kernels.whole_sequence_memory`
+    (one forward and one backward launch), or None with a warning naming why it cannot
+    (then the caller runs the chunk loop). Returns (reads (B, H, N, C, d), final stacked state)."""
+    token_weights, gates = sequence_gates(*chunk_gates(theta, log_eta, log_keep, rule.gates), rule)
+    reason = "max_update_norm > 0 (the kernels have no surprise bound)" if rule.max_update_norm else \
+        whole_sequence_refusal(stacked, q, k, v, token_weights, gates, rule.ns_steps)
+    if reason is not None:
+        if not torch.compiler.is_compiling():
+            warnings.warn(f"whole-sequence memory path not taken, chunk loop instead: {reason}", stacklevel=3)
+        return None
+    y, state = whole_sequence_memory(stacked, q, k, v, token_weights, gates, rule.ns_steps, rule.step_scale,
+                                     rule.residual, rule.read_after_write)
+    return y.to(q.dtype), tuple(s.to(t.dtype) for s, t in zip(state, stacked))
+
+
 def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk: int,
                    rule: UpdateRule = UpdateRule(), compiled: bool = False, checkpoint_chunks: int = 0):
     """Read and write a stream. q (B, H, T, d) are the new tokens' queries; k, v, theta,
@@ -439,12 +471,18 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     stacked = tuple(torch.stack(pair, 2) for pair in zip(state.weights, state.momentum))  # (B, H, 2, in, out)
     if rule.gates == "token" and rule.backend == "auto":  # once per call, not per chunk
         rule = rule._replace(backend=token_step_backend("auto", stacked[0]))
+    whole = None
+    if rule.whole_sequence and chunks:
+        whole = whole_sequence_chunks(stacked, *(t[:, :, :full].unflatten(2, (-1, chunk))
+                                                 for t in (q, k, v, theta, log_eta, log_keep)), rule)
     step = compiled_chunk_step() if compiled else chunk_step
     group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else max(chunks, 1)
     # groups of G chunks as views (split: one concatenation of their gradients in backward)
     groups = zip(*(t[:, :, :full].unflatten(2, (-1, chunk)).split(group, 2)
                    for t in (q, k, v, theta, log_eta, log_keep)))
     outputs, clipped = [], 0
+    if whole is not None:
+        outputs, stacked, groups = [whole[0].flatten(2, 3)], whole[1], ()
     for inputs in groups:
         args = (step, stacked, *inputs, rule)
         ys, stacked, clipped_group = checkpoint(run_chunks, *args, use_reentrant=False) \
@@ -590,7 +628,7 @@ class NeuralMemory(nn.Module):
         new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
         rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale,
-                          cfg.residual, cfg.max_update_norm)
+                          cfg.residual, cfg.max_update_norm, cfg.whole_sequence)
         y, state, clipped_share = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule,
                                                  cfg.compiled_chunk_step, cfg.checkpoint_chunks)
         self._note_stats(start_weights, state, new[2:], clipped_share)

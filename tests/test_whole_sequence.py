@@ -1,0 +1,207 @@
+"""The whole-sequence memory path (kernels/whole_sequence.py): the Triton kernels (under
+TRITON_INTERPRET=1 on CPU, set by conftest.py) against the torch reference, its launches per
+layer at two sequence lengths on the meta device, and the memory layer through it against
+the chunk loop. Errors are measured per tensor as max |ours - reference| / max |reference|."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kernels.whole_sequence import refusal, saved_bytes, whole_sequence_memory, whole_sequence_reference
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
+
+NAMES = ("y", "new W_1", "new W_2", "d s1", "d s2", "dq", "dk", "dv", "d token_weights", "d gates")
+
+
+def inputs(batch, heads, chunks, chunk, dim, hidden, ns_steps, seed=0, dtype=torch.float32):
+    """(s1, s2, q, k, v, token_weights, gates) as a Titans / Mela layer makes them: unit q, k,
+    token weights of the size theta gives, gates in (0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g)
+
+    q = F.normalize(draw(batch, heads, chunks, chunk, dim), dim=-1)
+    k = F.normalize(draw(batch, heads, chunks, chunk, dim), dim=-1)
+    v = draw(batch, heads, chunks, chunk, dim)
+    uniform = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+    if ns_steps:
+        token_weights = 0.02 * uniform(batch, heads, chunks, chunk, 1)
+        gates = torch.stack([0.9 * uniform(batch, heads, chunks), 0.1 * uniform(batch, heads, chunks)], -1)
+    else:
+        token_weights = -0.02 * uniform(batch, heads, chunks, chunk, 2)
+        gates = uniform(batch, heads, chunks, 2, 2) * torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    s1 = draw(batch, heads, 2, dim, hidden) * dim ** -0.5
+    s2 = draw(batch, heads, 2, hidden, dim) * hidden ** -0.5
+    return [t.to(dtype) for t in (s1, s2, q, k, v, token_weights, gates)]
+
+
+def outputs_and_grads(fn, tensors, **options):
+    """(y, final W_1 stack, final W_2 stack, then the gradients of every input) of
+    sum(y r_y) + sum(s1' r_1) + sum(s2' r_2), the r fixed random fp32 draws."""
+    tensors = [t.detach().requires_grad_() for t in tensors]
+    s1, s2, *rest = tensors
+    y, (n1, n2) = fn((s1, s2), *rest, **options)
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(t.shape, generator=g).to(t.dtype) for t in (y, n1, n2)]
+    loss = sum((t * w).sum() for t, w in zip((y, n1, n2), weights))
+    return [y.detach(), n1.detach(), n2.detach(), *torch.autograd.grad(loss, tensors)]
+
+
+def relative_errors(ours, reference):
+    return {name: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+            for name, a, b in zip(NAMES, ours, reference)}
+
+
+def check_against_reference(shape, ns_steps, residual, read_after_write, tolerance, dtype=torch.float32):
+    tensors = inputs(*shape, ns_steps, dtype=dtype)
+    options = dict(ns_steps=ns_steps, step_scale=0.7, residual=residual, read_after_write=read_after_write)
+    # the reference in float64 from the same (possibly bf16-rounded) inputs; the state stays fp32 in the kernels
+    state, rest = tensors[:2], tensors[2:]
+    ours = outputs_and_grads(whole_sequence_memory, [s.float() for s in state] + rest, **options)
+    reference = outputs_and_grads(whole_sequence_reference, [t.double() for t in tensors], **options)
+    errors = relative_errors(ours, reference)
+    assert max(errors.values()) < tolerance, errors
+
+
+@pytest.mark.parametrize("ns_steps, residual, read_after_write", [(0, False, False), (5, False, True)],
+                         ids=["titans_token_rule", "mela_newton_schulz"])
+def test_whole_sequence_paper_shape_matches_reference(ns_steps, residual, read_after_write):
+    """head_dim 64, hidden 256, chunk 64 (the shape the per-chunk kernel refuses), 2 chunks."""
+    check_against_reference((1, 1, 2, 64, 64, 256), ns_steps, residual, read_after_write, 1e-5)
+
+
+@pytest.mark.parametrize("ns_steps, residual, read_after_write",
+                         [(0, True, True), (5, True, False), (2, False, False), (0, False, True)])
+def test_whole_sequence_odd_shapes_match_reference(ns_steps, residual, read_after_write):
+    """Sizes that are no power of two and a hidden width over one block (masks, two blocks):
+    batch 2, one head, 2 chunks of 12, head_dim 24, hidden 96."""
+    check_against_reference((2, 1, 2, 12, 24, 96), ns_steps, residual, read_after_write, 1e-5)
+
+
+@pytest.mark.parametrize("ns_steps", [0, 5])
+def test_whole_sequence_bf16_inputs(ns_steps):
+    """q, k, v, token weights and gates in bf16 (the state fp32): within 1e-2 of the float64
+    reference run from the same bf16 values."""
+    check_against_reference((1, 2, 2, 16, 32, 64), ns_steps, False, ns_steps > 0, 1e-2, dtype=torch.bfloat16)
+
+
+def test_whole_sequence_is_causal_across_chunks():
+    """Changing chunk 2's keys and values changes no read of chunks 0-2 (they read the state
+    before chunk 2's write) and changes chunk 3's."""
+    s1, s2, q, k, v, tw, gates = inputs(1, 2, 4, 8, 16, 64, 0)
+    y, _ = whole_sequence_memory((s1, s2), q, k, v, tw, gates)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 2] = F.normalize(torch.randn_like(k2[:, :, 2]), dim=-1)
+    v2[:, :, 2] += 1
+    y2, _ = whole_sequence_memory((s1, s2), q, k2, v2, tw, gates)
+    assert torch.equal(y[:, :, :3], y2[:, :, :3])
+    assert (y[:, :, 3] - y2[:, :, 3]).abs().max() > 1e-4
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched (on the meta device: what a GPU would launch, views included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(seq_len: int, whole_sequence: bool, **memory) -> collections.Counter:
+    """The ops of one memory layer's forward and backward at the paper memory shape (head_dim 64,
+    hidden 256, chunk 64), batch 2, on the meta device."""
+    with torch.device("meta"):
+        layer = NeuralMemory(NeuralMemoryConfig(dim=128, n_heads=2, head_dim=64, chunk_size=64,
+                                                whole_sequence=whole_sequence, **memory))
+        x = torch.randn(2, seq_len, 128, requires_grad=True)
+    with OpCounter() as counter:
+        y, _ = layer(x)
+        y.sum().backward()
+    return counter.ops
+
+
+@pytest.mark.parametrize("memory", [{}, {"gates": "chunk", "newton_schulz_steps": 5, "read_after_write": True}],
+                         ids=["token_rule", "newton_schulz_rule"])
+def test_whole_sequence_launches_do_not_grow_with_length(memory):
+    """At T 4096 and 8192 a layer's training step dispatches the same ops, one forward and one
+    backward kernel among them; the chunk loop's count doubles (the counter sees the difference)."""
+    short, long = step_ops(4096, True, **memory), step_ops(8192, True, **memory)
+    assert short == long
+    assert short["memory_kernels.whole_sequence_fwd.default"] == short["memory_kernels.whole_sequence_bwd.default"] == 1
+    loop_short, loop_long = sum(step_ops(4096, False, **memory).values()), sum(step_ops(8192, False, **memory).values())
+    assert loop_long > 1.9 * loop_short > 10 * sum(short.values())
+
+
+LAYERS = {"titans": {}, "mela": {"gates": "chunk", "newton_schulz_steps": 5, "read_after_write": True, "step_scale": 0.5},
+          "chunk_rule_plain": {"gates": "chunk", "residual": True}}
+
+
+def layer_run(layer, x, segments):
+    """Reads of x fed in `segments` calls (the state carried), and the gradients of every
+    parameter of sum(y^2) + sum(final fast weights^2)."""
+    state, ys = None, []
+    for part in x.tensor_split(segments, 1):
+        y, state = layer(part, state)
+        ys.append(y)
+    y = torch.cat(ys, 1)
+    loss = y.square().sum() + sum(w.square().sum() for w in state.weights)
+    return [y.detach(), *torch.autograd.grad(loss, list(layer.parameters()))]
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_whole_sequence_layer_matches_chunk_loop(name):
+    """The memory layer through the whole-sequence path against the chunk loop, both fp32,
+    both measured against the chunk loop in float64: outputs and every parameter's gradient,
+    fed in two segments (the Titans layer's 20 tokens leave a pending partial chunk between
+    them). The kernels are at least as close to float64 as the loop (Newton-Schulz amplifies
+    fp32 rounding to about 3e-5 on both)."""
+    torch.manual_seed(0)
+    memory = LAYERS[name]
+    layers = [NeuralMemory(NeuralMemoryConfig(dim=32, n_heads=2, head_dim=16, chunk_size=8, whole_sequence=whole,
+                                              **memory)) for whole in (False, True)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    exact = NeuralMemory(layers[0].cfg).double()
+    exact.load_state_dict(layers[0].state_dict())
+    x = torch.randn(2, 16 if memory.get("read_after_write") else 20, 32)
+    segments = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the whole-sequence path must be taken, not fall back
+        loop, whole = (layer_run(layer, x, segments) for layer in layers)
+    truth = layer_run(exact, x.double(), segments)
+    loop_error = max(relative_errors(loop, truth).values())
+    whole_error = max(relative_errors(whole, truth).values())
+    assert whole_error <= 1.5 * loop_error + 1e-6, (whole_error, loop_error)
+
+
+def test_whole_sequence_falls_back_with_reason():
+    """A float64 state (and a surprise bound) cannot take the kernels: the layer warns with the
+    reason and runs the chunk loop, equal bit for bit to a layer without the option."""
+    torch.manual_seed(0)
+    layers = [NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, whole_sequence=w)).double()
+              for w in (False, True)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="whole-sequence memory path not taken.*float32"):
+        y_whole, _ = layers[1](x)
+    assert torch.equal(y_whole, layers[0](x)[0])
+    s1, s2, q, k, v, tw, gates = inputs(1, 1, 2, 8, 16, 32, 0)
+    assert "depth 1" in refusal((s1,), q, k, v, tw, gates, 0)
+    assert "gates has shape" in refusal((s1, s2), q, k, v, tw, gates[..., 0], 0)
+
+
+def test_saved_bytes_count_the_checkpoints():
+    """Bytes kept for backward grow with the chunks' states: doubling T doubles them (up to
+    the final state), and a state entry is 2 matrices x [M; S] x d x h x 4 bytes."""
+    one = saved_bytes(1, 1, 64, 64, 64, 256)
+    two = saved_bytes(1, 1, 128, 64, 64, 256)
+    assert two - one == 2 * 2 * 64 * 256 * 4 + 3 * 64 * 64 * 2 + 64 * 2 * 4 + 16
