@@ -1,7 +1,7 @@
 """Training throughput (tokens/s, MFU) of every model family's paper flavor, without torchtitan.
 
     python scripts/bench_models.py [--models titans_mac:400m,mela:400m] [--batch 2] [--seq-len 4096]
-        [--steps 10] [--warmup 3] [--compile] [--device cuda]
+        [--steps 10] [--warmup 3] [--compile] [--whole-sequence] [--device cuda]
     python scripts/bench_models.py --device cpu --dry-run     # every family at debug size, a few steps
     python scripts/bench_models.py --models titans_mac:400m --device cuda --profile --json   # + top kernels, JSON
 
@@ -21,6 +21,7 @@ and H200: 989 TFLOP/s), else a measured matmul's FLOP/s (bf16 on CUDA, fp32 on C
 before `--warmup` (compilation, allocator warm-up) are not timed. `--dry-run`: debug flavors,
 fp32, batch 2, 3 steps, short sequences: proves every family builds, steps and reports.
 The first step's wall time (compilation included) is reported beside the timed steps'.
+`--whole-sequence` puts every neural memory on the whole-sequence kernels (kernels/whole_sequence.py).
 `--profile` runs one more step under torch.profiler and reports the 10 kernels (CUDA; CPU ops
 on a CPU) with the most self time; `--json` adds one `JSON {...}` line per model
 (scripts/gpu_session.py reads them).
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.memory.neural_memory import use_whole_sequence
 from torchtitan_ext.families import family_and_overrides
 from torchtitan_ext.plain_step import build, fitted_length, inputs, loss_of
 from torchtitan_ext.training.cpu import measured_matmul_flops
@@ -93,10 +95,12 @@ def top_kernels(step, device: torch.device, count: int = 10) -> list[tuple[str, 
 
 
 def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: int, steps: int, warmup: int,
-          bf16: bool, compile_model: bool, profile_kernels: bool = False) -> Result:
+          bf16: bool, compile_model: bool, profile_kernels: bool = False, whole_sequence: bool = False) -> Result:
     """Train one flavor for warmup + steps steps; tokens/s over the timed steps."""
     result = Result(name, flavor)
     model, cfg, flops_per_token = build(name, flavor)
+    if whole_sequence and not use_whole_sequence(model):
+        return Result(name, flavor, error="--whole-sequence: this model has no neural memory")
     seq_len = fitted_length(cfg, seq_len)
     model = model.to(device)
     result.params = sum(p.numel() for p in model.parameters())
@@ -165,6 +169,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the whole model")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (always so on CPU)")
+    parser.add_argument("--whole-sequence", action="store_true", help="every neural memory on the whole-sequence "
+                        "kernels (NeuralMemoryConfig.whole_sequence; a CUDA device)")
     parser.add_argument("--dry-run", action="store_true", help="debug flavors, fp32, batch 2, 3 steps, 64 tokens")
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler: top 10 kernels")
     parser.add_argument("--json", action="store_true", help="one 'JSON {...}' line per model")
@@ -187,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, flavor in parse_models(args.models, args.dry_run):
         try:
             r = bench(name, flavor, device=device, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
-                      warmup=args.warmup, bf16=bf16, compile_model=args.compile, profile_kernels=args.profile)
+                      warmup=args.warmup, bf16=bf16, compile_model=args.compile, profile_kernels=args.profile,
+                      whole_sequence=args.whole_sequence)
         except torch.cuda.OutOfMemoryError:
             r = Result(name, flavor, error="out of memory: lower --batch or --seq-len")
             torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """The one prepared script of a GPU lease (run through scripts/gpu_session.sh; <= 9 minutes on one H100).
 
-    bash scripts/gpu_session.sh [--only main,perf] [--models transformer,mela,titans_mac] [--steps 2]
+    bash scripts/gpu_session.sh [--only main,perf,kernels] [--models transformer,mela,titans_mac] [--steps 2]
         [--budget-s 510] [--out DIR] [--dry-run] [--debug]
 
 Sections (`--only` picks some, so that a rerun fits what is left of a lease):
@@ -15,9 +15,13 @@ Sections (`--only` picks some, so that a rerun fits what is left of a lease):
         (scripts/check_hf_export.py). Reported: tokens/s and MFU of the last step, peak memory,
         the first step's wall time (compilation included) against a later step's.
   perf  scripts/bench_models.py (a plain loop, no torchtitan) at seq 4096, batch 2, bf16
-        autocast, fp32 fast weights: the same three models eager and compiled, tokens/s, MFU,
+        autocast, fp32 fast weights: the same three models eager and compiled, the memory models
+        also on the whole-sequence kernels (`--whole-sequence`, eager and compiled): tokens/s, MFU,
         peak memory and the first step's time, and the profiler's top 10 CUDA kernels of
         one step of each (`--profile`).
+  kernels  scripts/bench_whole_sequence.py: the whole-sequence kernels against the torch
+        reference on CUDA and one memory layer's step against the chunk loop, at head_dim 64,
+        hidden 256, chunk 64, seq 4096 (titans_mac: the per-token rule; mela: Newton-Schulz).
 Every command runs under the time left of `--budget-s` (each is cut at it; what does not start
 in time is reported as skipped). Results: one markdown table (`gpu_session.md`) and a JSON
 (`gpu_session.json`) under `--out`, beside one log per model of main and one of perf; checkpoints and
@@ -51,7 +55,10 @@ MODELS = {  # name -> config module; the order runs cheapest and safest first
     "mela": "train_configs.mela",
     "titans_mac": "train_configs.titans",
 }
-SECTIONS = ("main", "perf")
+SECTIONS = ("main", "perf", "kernels")
+PERF_MODES = {"eager": [], "compiled": ["--compile"], "whole_sequence": ["--whole-sequence"],
+              "whole_sequence_compiled": ["--whole-sequence", "--compile"]}
+KERNEL_RULES = {"titans_mac": "token", "mela": "newton_schulz"}  # the memory models' write rules
 BATCH = 2
 
 
@@ -68,7 +75,7 @@ class Shape:
 
 
 LEASE, DEBUG = Shape("400m", 4096, "cuda"), Shape("debug", 256, "cpu")
-TIMEOUT_S = {"train": 240, "resume": 150, "hf": 120, "perf": 150}  # per command, before the budget's cut
+TIMEOUT_S = {"train": 240, "resume": 150, "hf": 120, "perf": 150, "kernels": 150}  # per command, before the budget's cut
 TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 MEMORY = re.compile(r"memory:\s*([0-9.]+)GiB")
 
@@ -107,10 +114,21 @@ def hf_args(model: str, shape: Shape, work: Path, step: int) -> list[str]:
             "--out", str(work / f"{config}_hf"), "--device", shape.device, "--length", str(min(1024, shape.seq_len))]
 
 
-def perf_args(model: str, shape: Shape, compiled: bool) -> list[str]:
+def perf_modes(model: str) -> list[str]:
+    """The bench_models modes of `model`: eager and compiled; the memory models also on the
+    whole-sequence kernels."""
+    return [m for m in PERF_MODES if model in KERNEL_RULES or not m.startswith("whole_sequence")]
+
+
+def perf_args(model: str, shape: Shape, mode: str) -> list[str]:
     return ["--models", f"{model}:{shape.flavor}", "--seq-len", str(shape.seq_len), "--batch", str(BATCH),
-            "--steps", "3", "--warmup", "1", "--device", shape.device, "--profile", "--json",
-            *(["--compile"] if compiled else [])]
+            "--steps", "3", "--warmup", "1", "--device", shape.device, "--profile", "--json", *PERF_MODES[mode]]
+
+
+def kernels_args(model: str, shape: Shape) -> list[str]:
+    """bench_whole_sequence.py's arguments: the paper memory shape on the lease, tiny under --debug."""
+    sizes = ["--seq-len", str(shape.seq_len)] if shape is LEASE else ["--dry-run"]
+    return ["--rules", KERNEL_RULES[model], "--device", shape.device, "--json", *sizes]
 
 
 def seconds_between(log: str, first: str, then: re.Pattern) -> float | None:
@@ -229,13 +247,27 @@ class Session:
     def perf_section(self, model: str) -> Outcome:
         outcome = Outcome(model, "perf")
         log = self.args.out / "perf.log"
-        for mode, compiled in (("eager", False), ("compiled", True)):
-            code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, compiled)], log,
+        for mode in perf_modes(model):
+            code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, mode)], log,
                                   TIMEOUT_S["perf"])
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
             outcome.figures[mode] = rows[0] if rows and code == 0 else {"error": skipped_or_failed(code, mode, text)}
         failed = [m for m, f in outcome.figures.items() if f.get("error")]
         outcome.status = "ok" if not failed else f"failed: {', '.join(failed)}"
+        return outcome
+
+    def kernels_section(self, model: str) -> Outcome:
+        outcome = Outcome(model, "kernels")
+        if model not in KERNEL_RULES:
+            outcome.status = "skipped: no neural memory"
+            return outcome
+        env = {"TRITON_INTERPRET": "1"} if self.shape.device == "cpu" else None
+        code, text = self.run([self.python, "scripts/bench_whole_sequence.py", *kernels_args(model, self.shape)],
+                              self.args.out / "kernels.log", TIMEOUT_S["kernels"], env)
+        rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
+        if rows:
+            outcome.figures = rows[0]
+        outcome.status = "ok" if code == 0 and rows else skipped_or_failed(code, "whole-sequence kernels", text)
         return outcome
 
 
@@ -253,8 +285,13 @@ def table(outcomes: list[Outcome]) -> str:
             detail = f"loss {f.get('loss')}; resume {f.get('resume', {}).get('steps')}; {f.get('hf_export', '')}"
             lines.append(f"| main | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} | {fmt(f.get('mfu_percent'), '.1f')} "
                          f"| {fmt(f.get('peak_memory_gib'), '.1f')} | {fmt(f.get('first_step_s'), '.0f')} | {detail} |")
+        elif o.section == "kernels":
+            detail = (f"vs reference {f['max_relative_error']:.1e}; layer {f['whole_sequence_ms']:.1f} ms vs chunk loop "
+                      f"{f['chunk_loop_ms']:.1f} ms ({f['speedup']:.2f}x)") if f else ""
+            lines.append(f"| kernels {f.get('rule', '')} | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} "
+                         f"| - | - | - | {detail} |")
         else:
-            for mode in ("eager", "compiled"):
+            for mode in [m for m in PERF_MODES if m in f]:
                 r = f.get(mode, {})
                 lines.append(f"| perf {mode} | {o.model} | {r.get('error') or o.status} | {fmt(r.get('tokens_per_s'))} "
                              f"| {fmt(r.get('mfu_percent'), '.1f')} | {fmt(r.get('peak_memory_gib'), '.1f')} "
@@ -276,9 +313,10 @@ def dry_run(session: Session) -> int:
     from torchtitan_ext.training import cli, preflight
 
     a, shape, failures = session.args, session.shape, 0
-    scripts = {"hf": "scripts/check_hf_export.py", "perf": "scripts/bench_models.py"}
+    scripts = {"hf": "scripts/check_hf_export.py", "perf": "scripts/bench_models.py",
+               "kernels": "scripts/bench_whole_sequence.py"}
     needed = {"hf"} if "main" in a.only else set()
-    needed |= {"perf"} if "perf" in a.only else set()
+    needed |= {section for section in ("perf", "kernels") if section in a.only}
     flags = {kind: script_flags(session.python, scripts[kind]) for kind in needed}
     for model in a.models:
         commands = []
@@ -287,7 +325,9 @@ def dry_run(session: Session) -> int:
             commands += [("train", first), ("train", with_steps(first, a.steps + 1)),
                          ("hf", hf_args(model, shape, a.work, a.steps + 1))]
         if "perf" in a.only:
-            commands += [("perf", perf_args(model, shape, False)), ("perf", perf_args(model, shape, True))]
+            commands += [("perf", perf_args(model, shape, mode)) for mode in perf_modes(model)]
+        if "kernels" in a.only and model in KERNEL_RULES:
+            commands.append(("kernels", kernels_args(model, shape)))
         for kind, args in commands:
             if kind == "train":
                 shown = session.train_command(args)

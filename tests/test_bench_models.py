@@ -44,3 +44,18 @@ def test_runs_without_torchtitan():
     assert out.returncode == 0, out.stderr[-2000:]
     bench = load_script("bench_models")
     assert set(rows(out.stdout)) == set(bench.DEBUG), out.stdout
+
+
+def test_whole_sequence_flag_switches_every_memory_and_names_a_model_without_one():
+    """`--whole-sequence` on a model without a neural memory is an error row naming why; on a
+    memory model it switches every memory layer (one per Titans block)."""
+    bench = load_script("bench_models")
+    result = bench.bench("transformer", "debug", device=bench.torch.device("cpu"), batch=1, seq_len=16, steps=1,
+                         warmup=0, bf16=False, compile_model=False, whole_sequence=True)
+    assert result.error == "--whole-sequence: this model has no neural memory"
+    from models.memory.neural_memory import use_whole_sequence
+    from torchtitan_ext.plain_step import build
+
+    model, cfg, _ = build("titans_mac", "debug")
+    assert use_whole_sequence(model) == cfg.n_layers
+    assert all(m.cfg.whole_sequence for m in model.modules() if hasattr(m, "cfg") and hasattr(m.cfg, "whole_sequence"))

@@ -25,8 +25,10 @@ def test_dry_run_checks_every_lease_command_and_exits_0():
                          timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     checked = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
-    # 3 models x (train, resume, hf export, perf eager, perf compiled), all parsed
-    assert len(checked) == 15 and all(line.startswith("ok ") for line in checked), run.stdout
+    # 3 models x (train, resume, hf export, perf eager, perf compiled); the 2 memory models also perf on the
+    # whole-sequence kernels (eager, compiled) and the kernels' check: all parsed
+    assert len(checked) == 15 + 2 * 3 and all(line.startswith("ok ") for line in checked), run.stdout
+    assert sum("bench_whole_sequence.py" in line for line in checked) == 2
     for config in ("transformer_400m", "mela_400m", "titans_mac_400m"):
         trains = [line for line in checked if f"--config {config} " in line and "train.sh" in line]
         assert [("--training.steps 2" in t, "--training.steps 3" in t) for t in trains] == [(True, False), (False, True)]
@@ -45,7 +47,7 @@ def test_dry_run_names_a_flag_the_script_does_not_take(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         gpu_session.main(["--dry-run", "--only", "perf", "--models", "mela"])
     out = capsys.readouterr().out
-    assert stop.value.code == 1 and out.count("FAIL") == 2 and "unknown flags ['--bogus']" in out
+    assert stop.value.code == 1 and out.count("FAIL") == 4 and "unknown flags ['--bogus']" in out
 
 
 def test_figures_read_from_a_training_log():
@@ -84,8 +86,23 @@ def test_perf_rows_with_an_empty_error_are_ok_and_a_command_without_time_is_skip
     assert "| perf eager | mela | ok | 4,874 |" in gpu_session.table([outcome])
     monkeypatch.setattr(s, "run", lambda *a, **k: ("no time left", ""))
     outcome = s.perf_section("mela")
-    assert outcome.status == "failed: eager, compiled"
+    assert outcome.status == "failed: eager, compiled, whole_sequence, whole_sequence_compiled"
     assert outcome.figures["eager"]["error"] == "skipped: no time left for eager"
+
+
+def test_kernels_section_reads_the_check_and_skips_a_model_without_memory(tmp_path, monkeypatch):
+    s = session(tmp_path)
+    row = ('{"rule": "newton_schulz", "max_relative_error": 2e-06, "equal": true, "whole_sequence_ms": 10.0, '
+           '"chunk_loop_ms": 80.0, "speedup": 8.0, "tokens_per_s": 819200.0}')
+    commands = []
+    monkeypatch.setattr(s, "run", lambda command, *a, **k: commands.append(command) or (0, f"JSON {row}\n"))
+    outcome = s.kernels_section("mela")
+    assert outcome.status == "ok" and outcome.figures["speedup"] == 8.0
+    assert commands[0][1:4] == ["scripts/bench_whole_sequence.py", "--rules", "newton_schulz"]
+    assert "| kernels newton_schulz | mela | ok | 819,200 |" in gpu_session.table([outcome])
+    assert s.kernels_section("transformer").status == "skipped: no neural memory"
+    monkeypatch.setattr(s, "run", lambda *a, **k: (1, "NOT equal\n"))
+    assert s.kernels_section("titans_mac").status.startswith("failed")
 
 
 def test_main_section_trains_resumes_and_exports_from_a_fresh_work_folder(tmp_path, monkeypatch):

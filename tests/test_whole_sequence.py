@@ -6,12 +6,15 @@ the chunk loop. Errors are measured per tensor as max |ours - reference| / max |
 from __future__ import annotations
 
 import collections
+import json
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import load_script
 
 from kernels.whole_sequence import refusal, saved_bytes, whole_sequence_memory, whole_sequence_reference
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
@@ -205,3 +208,14 @@ def test_saved_bytes_count_the_checkpoints():
     one = saved_bytes(1, 1, 64, 64, 64, 256)
     two = saved_bytes(1, 1, 128, 64, 64, 256)
     assert two - one == 2 * 2 * 64 * 256 * 4 + 3 * 64 * 64 * 2 + 64 * 2 * 4 + 16
+
+
+def test_bench_script_checks_and_times_on_the_interpreter(capsys):
+    """scripts/bench_whole_sequence.py --dry-run (the lease's `kernels` section at tiny widths):
+    the kernels equal the reference and both paths are timed."""
+    bench = load_script("bench_whole_sequence")
+    code = bench.main(["--device", "cpu", "--dry-run", "--json", "--rules", "token"])
+    rows = [json.loads(line[5:]) for line in capsys.readouterr().out.splitlines() if line.startswith("JSON ")]
+    assert code == 0 and len(rows) == 1
+    assert rows[0]["equal"] and rows[0]["max_relative_error"] < 1e-5
+    assert rows[0]["whole_sequence_ms"] > 0 and rows[0]["chunk_loop_ms"] > 0

@@ -75,6 +75,12 @@ Choices where the papers are silent (tested):
   chunks): chunk c reads M_c, the state after its own write, instead of M_{c-1}. Not causal
   inside a chunk, so only for consumers that use a chunk's outputs after the whole chunk;
   it needs whole chunks.
+- `whole_sequence` runs all whole chunks of a call through `kernels.whole_sequence_memory`:
+  one Triton launch forward and one backward per layer whatever T (the chunk loop's launches
+  grow with T), the state entering each chunk kept for the backward, which recomputes each
+  chunk from it (`checkpoint_chunks` and `compiled_chunk_step` do not apply to it). Depth 2,
+  float32 state, no `max_update_norm`, a CUDA device (TRITON_INTERPRET=1 on CPU); anything
+  else runs the chunk loop after a warning naming why. Off by default until a GPU measures it faster.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
 - `max_update_norm = b > 0` bounds the surprise (off by default: Titans has no bound). It
@@ -652,3 +658,12 @@ class NeuralMemory(nn.Module):
             }
             if clipped_share is not None:
                 self.last_stats["clipped_share"] = clipped_share
+
+
+def use_whole_sequence(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every `NeuralMemory` of `model` onto the whole-sequence path (`enabled`) or off
+    it, as `NeuralMemoryConfig.whole_sequence` would have built it. Returns how many were switched."""
+    memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]
+    for memory in memories:
+        memory.cfg = dataclasses.replace(memory.cfg, whole_sequence=enabled)
+    return len(memories)
