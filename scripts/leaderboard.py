@@ -4,6 +4,14 @@ the same way, one table (torchtitan_ext/eval/leaderboard*.py).
     python scripts/leaderboard.py --suite ci --out DIR [--rows mela,titans_mac]
     python scripts/leaderboard.py --suite cpu --out DIR --estimate     # cells and tokens, no run
     python scripts/leaderboard.py --suite paper --dry-run [--hf-assets-path FOLDER]
+    python scripts/leaderboard.py --suite mqar --out DIR [--quick] [--seeds N] [--steps N] [--rows a,b]
+
+`--suite mqar` (torchtitan_ext/eval/mqar_suite.py): every from-scratch family at one width and
+depth on Zoology's MQAR, per task (key-value count x length) with intervals over seeds, a cost
+column, the hypotheses answered per task; writes DIR/mqar.json (every prompt's per-query
+outcome), DIR/mqar.md, DIR/mqar_accuracy.png and DIR/rows/<row>.json (a rerun reuses finished
+rows). `--quick`: the seconds-long form the tests run; `--seeds N` / `--steps N` override the
+setting's (the first seed sweeps the learning rates).
 
 Writes DIR/leaderboard.md, DIR/leaderboard.json, DIR/ppl_vs_length.png,
 DIR/recall_vs_length.png; each cell's figures in DIR/cells/<row>/seed<k>.json (a rerun skips
@@ -37,13 +45,18 @@ def check_out(out: Path, suite: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", required=True, help=", ".join(leaderboard_suites.SUITES))
+    parser.add_argument("--suite", required=True, help=", ".join([*leaderboard_suites.SUITES, "mqar"]))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--rows", help="comma-separated row names (default: every row of the suite)")
     parser.add_argument("--dry-run", action="store_true", help="preflight and print the multi-node commands")
     parser.add_argument("--estimate", action="store_true", help="print the suite's cells and tokens, run nothing")
     parser.add_argument("--hf-assets-path", help="tokenizer folder standing in for the configs' own (--dry-run)")
+    parser.add_argument("--quick", action="store_true", help="mqar: the tiny setting the tests run")
+    parser.add_argument("--seeds", type=int, help="mqar: number of training seeds")
+    parser.add_argument("--steps", type=int, help="mqar: training steps per run")
     args = parser.parse_args(argv)
+    if args.suite == "mqar":
+        return run_mqar(args)
     try:
         chosen = leaderboard_suites.suite(args.suite)
         rows = leaderboard_suites.select_rows(chosen, args.rows)
@@ -67,6 +80,39 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"cells run {counts['run']}, skipped {counts['skipped']}; wrote {args.out / 'leaderboard.md'}")
+
+
+def run_mqar(args) -> None:
+    import dataclasses
+
+    from torchtitan_ext.eval import mqar_suite
+
+    try:
+        if args.out is None:
+            raise UserError("--out DIR is needed to run a suite")
+        if args.dry_run or args.estimate:
+            raise UserError("--dry-run / --estimate are for the paper and cpu suites; the mqar suite runs here")
+        setting = mqar_suite.SETTINGS["quick" if args.quick else "full"]
+        if args.seeds is not None:
+            if args.seeds < 1:
+                raise UserError("--seeds must be at least 1")
+            setting = dataclasses.replace(setting, seeds=tuple(range(args.seeds)))
+        if args.steps is not None:
+            if args.steps < 1:
+                raise UserError("--steps must be at least 1")
+            setting = dataclasses.replace(setting, steps=args.steps)
+        rows = tuple(args.rows.split(",")) if args.rows else mqar_suite.ROWS
+        unknown = [r for r in rows if r not in mqar_suite.ROWS]
+        if unknown:
+            raise UserError(f"unknown row(s) {unknown} in suite mqar: choose from {', '.join(mqar_suite.ROWS)}")
+        out = args.out.resolve()
+        check_out(out, "mqar")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    leaderboard_cells.write_json(out / "suite.json", {"suite": "mqar"})
+    mqar_suite.run_suite(setting, out, rows, log=lambda line: print(line, flush=True))
+    print(f"wrote {args.out / 'mqar.md'} and {args.out / 'mqar.json'}")
 
 
 if __name__ == "__main__":

@@ -332,3 +332,79 @@ def test_a_hypothesis_is_supported_only_when_every_comparison_is():
     assert combine(["supported", "inconclusive"]) == "inconclusive at this scale"
     assert combine(["inconclusive", "not supported"]) == "not supported"
     assert combine(["supported", "not run"]) == "not run"
+
+
+@pytest.fixture(scope="module")
+def mqar_quick(tmp_path_factory):
+    """`--suite mqar --quick` once: (folder, its run)."""
+    out = tmp_path_factory.mktemp("mqar")
+    return out, leaderboard("--suite", "mqar", "--quick", "--out", str(out), timeout=600)
+
+
+def test_verdicts_from_json(mqar_quick):
+    """Every verdict (and its interval) rebuilt from mqar.json alone equals the one written;
+    the rebuild reads the items: the full row made perfect turns H1 supported."""
+    from torchtitan_ext.eval import mqar_suite
+
+    out, run = mqar_quick
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((out / "mqar.json").read_text())
+    assert results["verdicts"] and mqar_suite.verdicts(results) == results["verdicts"]
+    assert {v["hypothesis"] for v in results["verdicts"]} == {h.key for h in mqar_suite.HYPOTHESES}
+    perfect = json.loads((out / "mqar.json").read_text())
+    for seed in perfect["rows"]["transformer_full"]["seeds"].values():
+        for task in seed["tasks"].values():
+            task["correct"] = [[1] * len(q) for q in task["correct"]]
+    rebuilt = [v for v in mqar_suite.verdicts(perfect) if v["hypothesis"] == "H1"]
+    assert rebuilt and all(v["verdict"] == "supported" and v["ci95"] == [1.0, 1.0] for v in rebuilt)
+
+
+def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick):
+    from torchtitan_ext.eval import mqar_suite
+
+    out, run = mqar_quick
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((out / "mqar.json").read_text())
+    s = mqar_suite.SETTINGS["quick"]
+    assert list(results["rows"]) == list(mqar_suite.ROWS)
+    for name, row in results["rows"].items():
+        assert [r["lr"] for r in row["sweep"]] == list(s.lrs) and row["best_lr"] in s.lrs, name
+        assert sorted(row["seeds"], key=int) == [str(k) for k in s.seeds], name
+        for seed in row["seeds"].values():
+            assert seed["lr"] == row["best_lr"], name
+            assert set(seed["tasks"]) == {mqar_suite.task_key(kv, n) for kv, n in s.tasks()}, name
+            for task in seed["tasks"].values():
+                assert len(task["correct"]) == s.test_prompts and all(len(q) == task["kv"] for q in task["correct"])
+                assert all(set(q) <= {0, 1} for q in task["correct"]), name
+        for key, summary in results["summary"][name].items():
+            assert summary["ci95"][0] <= summary["pooled"] <= summary["ci95"][1] and len(summary["per_seed"]) == 2
+        cost = row["cost"]
+        assert cost["trainable_params"] > 0 and cost["train_flops_per_token"] > cost["eval_flops_per_token"] > 0, name
+        assert cost["state_bytes"] > 0 and cost["train_tokens_per_s"] > 0, name
+        assert cost["training_tokens"] == s.steps * s.batch_size * s.train_len, name
+    # prompts differ across seeds (drawn per seed), and are the same for every row within a seed
+    first = results["rows"]["transformer_full"]["seeds"]
+    assert first["0"]["tasks"]["kv2_len16"]["distance"] != first["1"]["tasks"]["kv2_len16"]["distance"]
+    assert all(r["seeds"]["1"]["tasks"]["kv2_len16"]["distance"] == first["1"]["tasks"]["kv2_len16"]["distance"]
+               for r in results["rows"].values())
+    # the window-only row carries its window's cache, the full row its whole prompt's
+    costs = {n: r["cost"]["state_bytes"] for n, r in results["rows"].items()}
+    assert costs["transformer_window"] * s.train_len == costs["transformer_full"] * s.window
+    markdown = (out / "mqar.md").read_text()
+    assert all(f"| {name} |" in markdown for name in mqar_suite.ROWS) and f"LR grid {list(s.lrs)}" in markdown
+    assert (out / "mqar_accuracy.png").stat().st_size > 0
+    # a rerun reuses every finished row
+    again = leaderboard("--suite", "mqar", "--quick", "--out", str(out), timeout=600)
+    assert again.returncode == 0 and again.stdout.count(": reused ") == len(mqar_suite.ROWS), again.stdout[-2000:]
+    assert json.loads((out / "mqar.json").read_text())["verdicts"] == results["verdicts"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "mqar"], "--out DIR is needed"),
+    (["--suite", "mqar", "--rows", "transformer_full,rwkv"], "unknown row(s) ['rwkv'] in suite mqar"),
+    (["--suite", "mqar", "--steps", "0"], "--steps must be at least 1"),
+])
+def test_mqar_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    run = leaderboard(*args, *([] if "--out DIR" in message else ["--out", str(tmp_path / "out")]))
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and message in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()

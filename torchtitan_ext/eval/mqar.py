@@ -61,6 +61,36 @@ def batch(task: Task, size: int, generator: torch.Generator) -> tuple[torch.Tens
     return sequence[:, :-1], labels[:, 1:]
 
 
+def mixed_batch(tasks: "Task | tuple[Task, ...]", size: int, generator: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` over several settings of one sequence length (e.g. a few key-value counts):
+    `size` sequences split as evenly as the settings allow, the first ones taking the rest."""
+    tasks = (tasks,) if isinstance(tasks, Task) else tuple(tasks)
+    if len({t.seq_len for t in tasks}) != 1:
+        raise ValueError("mixed_batch needs one sequence length for every setting")
+    sizes = [size // len(tasks) + (i < size % len(tasks)) for i in range(len(tasks))]
+    parts = [batch(t, n, generator) for t, n in zip(tasks, sizes) if n]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def answers(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-query outcomes of one setting's prompts: (correct (B, num_kv) bool, in the order the
+    queries come; distance (B, num_kv) long: tokens from the key's pair to its query)."""
+    with torch.no_grad():
+        predicted = logits_of(model, inputs).argmax(-1)
+    mask = targets != IGNORE
+    per_row = mask.sum(1)
+    if (per_row != per_row[0]).any():
+        raise ValueError("answers needs prompts of one setting (as many queries each)")
+    kv = int(per_row[0])
+    correct = (predicted[mask] == targets[mask]).view(-1, kv)
+    positions = mask.nonzero()[:, 1].view(-1, kv)  # the query key's position (its value is the next token)
+    keys = inputs[:, : 2 * kv : 2]  # (B, kv)
+    asked = inputs.gather(1, positions)
+    pair = (asked[:, :, None] == keys[:, None, :]).float().argmax(-1)  # which pair each query re-asks
+    return correct, positions - 2 * pair
+
+
 def build_model(name: str, **fields) -> torch.nn.Module:
     """A model of family "<family>[_<variant>]" from its debug flavor with `fields` set (fp32,
     train mode). "transformer" is torchtitan's llama3 with torchtitan's init (`init_states`)."""
@@ -105,20 +135,21 @@ class Run:
     nonfinite_step: int | None = None
 
 
-def train(model: torch.nn.Module, task: Task, *, steps: int, lr: float = 3e-3, batch_size: int = 64,
+def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int, lr: float = 3e-3, batch_size: int = 64,
           eval_every: int = 250, eval_size: int = 256, seed: int = 0, weight_decay: float = 0.1,
           warmup_fraction: float = 0.1) -> Run:
     """AdamW (0.9, 0.95, weight decay 0.1 as the paper recipes; lr constant after a linear
     warmup over `warmup_fraction` of the steps), `steps` steps on fresh batches, accuracy on
-    one held-out batch (its own seed) every `eval_every` steps and at the end."""
+    one held-out batch (its own seed) every `eval_every` steps and at the end. `task` may be
+    several settings of one length (`mixed_batch`: each batch and the held-out one mix them)."""
     generator = torch.Generator().manual_seed(seed)
-    held_out = batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
+    held_out = mixed_batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     warmup = max(1, int(steps * warmup_fraction))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     run = Run()
     for step in range(1, steps + 1):
-        inputs, targets = batch(task, batch_size, generator)
+        inputs, targets = mixed_batch(task, batch_size, generator)
         logits = logits_of(model, inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad(set_to_none=True)

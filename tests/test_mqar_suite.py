@@ -1,0 +1,148 @@
+"""The MQAR suite (torchtitan_ext/eval/mqar_suite.py): per-query outcomes, prompts drawn per
+seed, the window-only Transformer++'s mask, the verdict rule on constructed items, and the
+hypotheses' scopes. The suite end to end (--quick) and the verdicts rebuilt from its JSON:
+tests/test_leaderboard.py::test_verdicts_from_json."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from torchtitan_ext.eval import mqar, mqar_suite
+
+QUICK = mqar_suite.SETTINGS["quick"]
+
+
+def test_mixed_batch_splits_the_batch_over_the_settings():
+    tasks = (mqar.Task(seq_len=32, num_kv=2, vocab=64), mqar.Task(seq_len=32, num_kv=4, vocab=64))
+    inputs, targets = mqar.mixed_batch(tasks, 5, torch.Generator().manual_seed(0))
+    assert inputs.shape == (5, 32)
+    assert (targets != mqar.IGNORE).sum(1).tolist() == [2, 2, 2, 4, 4]
+    with pytest.raises(ValueError, match="one sequence length"):
+        mqar.mixed_batch((tasks[0], mqar.Task(seq_len=64, num_kv=2, vocab=64)), 4, torch.Generator())
+
+
+def test_answers_gives_each_querys_outcome_and_its_distance_to_the_pair():
+    """A stand-in model that answers only keys whose pair lies within 20 tokens: its per-query
+    outcomes match that rule through the distances `answers` reports."""
+    task = mqar.Task(seq_len=64, num_kv=4, vocab=64)
+    inputs, targets = mqar.batch(task, 16, torch.Generator().manual_seed(3))
+
+    class Near(torch.nn.Module):
+        def forward(self, tokens):
+            logits = torch.zeros(*tokens.shape, task.vocab)
+            for b in range(tokens.shape[0]):
+                keys = tokens[b, 0:8:2].tolist()
+                for t in range(8, tokens.shape[1]):
+                    key = tokens[b, t].item()
+                    if key in keys and t - 2 * keys.index(key) <= 20:
+                        logits[b, t, tokens[b, 2 * keys.index(key) + 1]] = 1.0
+            return logits
+
+    correct, distance = mqar.answers(Near(), inputs, targets)
+    assert correct.shape == distance.shape == (16, 4)
+    assert (distance >= 8 - 6).all()  # a query comes after every pair
+    assert torch.equal(correct, distance <= 20)
+    assert 0 < correct.float().mean() < 1  # both kinds occur, so the check has teeth
+
+
+def test_prompts_are_drawn_per_seed_and_split_and_repeat_within_one():
+    a = mqar_suite.prompts(QUICK, 2, 16, 6, 0, "test")[0]
+    assert torch.equal(a, mqar_suite.prompts(QUICK, 2, 16, 6, 0, "test")[0])
+    assert not torch.equal(a, mqar_suite.prompts(QUICK, 2, 16, 6, 1, "test")[0])
+    assert not torch.equal(a, mqar_suite.prompts(QUICK, 2, 16, 6, 0, "validation")[0])
+
+
+def test_the_window_only_transformer_sees_only_its_window():
+    """Same weights, full vs windowed attention: equal logits up to the window, different after."""
+    s = dataclasses.replace(QUICK, window=8)
+    torch.manual_seed(0)
+    full = mqar_suite.build_row("transformer_full", s).eval()
+    windowed = mqar_suite.build_row("transformer_window", s).eval()
+    windowed.load_state_dict(full.state_dict())
+    tokens = torch.randint(0, s.vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = mqar.logits_of(full, tokens), mqar.logits_of(windowed, tokens)
+    torch.testing.assert_close(a[:, :8], b[:, :8])
+    assert (a[:, 8:] - b[:, 8:]).abs().amax() > 1e-4
+    changed = tokens.clone()
+    changed[:, 0] = (changed[:, 0] + 1) % s.vocab  # outside every window after 2 layers x 8 tokens
+    with torch.no_grad():
+        torch.testing.assert_close(mqar.logits_of(windowed, changed)[:, 16:], b[:, 16:])
+
+
+def test_every_row_builds_at_one_width_and_depth():
+    for name in mqar_suite.ROWS:
+        family, fields = mqar_suite.row_spec(name, QUICK)
+        assert (fields["dim"], fields["n_layers"]) == (QUICK.width, QUICK.layers), name
+    assert mqar_suite.row_spec("mela_memory_off", QUICK)[1]["memory_path"] is False
+    assert mqar_suite.row_spec("mela", QUICK)[1]["memory_path"] is True
+    with pytest.raises(ValueError, match="unknown MQAR row"):
+        mqar_suite.row_spec("rwkv", QUICK)
+
+
+def _results(model_items, control_items, hypothesis, length=16):
+    """A results dict holding two rows with the given per-seed per-prompt outcomes on one task."""
+    def row(items):
+        return {"seeds": {str(i): {"tasks": {f"kv2_len{length}": {"kv": 2, "length": length, "correct": seed}}}
+                          for i, seed in enumerate(items)}}
+
+    return {"setting": {"train_len": 16}, "floor": mqar_suite.FLOOR, "hypotheses": [hypothesis],
+            "rows": {"a": row(model_items), "b": row(control_items)}}
+
+
+BETTER = dict(key="T", claim="a beats b", model="a", control="b", metric="accuracy_difference", sense="better",
+              tolerance=0.02, smallest_effect=0.1, expected_width=0.2, threshold=None, lengths="all", why="")
+
+
+def test_a_clear_paired_gain_is_supported_and_a_clear_null_is_not():
+    gain = _results([[[1, 1]] * 20] * 3, [[[0, 1]] * 20] * 3, BETTER)  # +0.5 on every prompt of every seed
+    (v,) = mqar_suite.verdicts(gain)
+    assert v["verdict"] == "supported" and v["estimate"] == pytest.approx(0.5)
+    null = _results([[[0, 1]] * 20] * 3, [[[0, 1]] * 20] * 3, BETTER)  # both 0.5: difference exactly 0
+    (v,) = mqar_suite.verdicts(null)
+    assert v["verdict"] == "not supported" and v["ci95"] == [0.0, 0.0]
+
+
+def test_a_noisy_small_difference_is_inconclusive_and_both_rows_at_zero_is_at_floor():
+    generator = torch.Generator().manual_seed(0)
+    noisy_model = [torch.randint(0, 2, (8, 2), generator=generator).tolist() for _ in range(2)]
+    noisy_control = [torch.randint(0, 2, (8, 2), generator=generator).tolist() for _ in range(2)]
+    (v,) = mqar_suite.verdicts(_results(noisy_model, noisy_control, BETTER))
+    assert v["verdict"] == "inconclusive" and v["ci_width"] > 0.2
+    (v,) = mqar_suite.verdicts(_results([[[0, 0]] * 5] * 2, [[[0, 0]] * 5] * 2, BETTER))
+    assert v["verdict"] == "at floor (task)"
+
+
+def test_at_least_uses_its_threshold_minus_tolerance():
+    h = dict(BETTER, control=None, metric="accuracy", sense="at_least", threshold=0.9, tolerance=0.05, lengths="trained")
+    assert mqar_suite.verdict(h, (0.86, 0.95)) == "supported"
+    assert mqar_suite.verdict(h, (0.70, 0.84)) == "not supported"
+    assert mqar_suite.verdict(h, (0.80, 0.95)) == "inconclusive"
+    (v,) = mqar_suite.verdicts(_results([[[1, 1]] * 10] * 2, [[[0, 0]] * 10] * 2, h))
+    assert v["verdict"] == "supported"
+
+
+def test_a_hypothesis_answers_only_the_tasks_in_its_scope():
+    results = _results([[[1, 1]] * 4] * 2, [[[0, 1]] * 4] * 2, dict(BETTER, lengths="past"))
+    assert mqar_suite.verdicts(results) == []  # the only task is at the trained length
+    longer = _results([[[1, 1]] * 4] * 2, [[[0, 1]] * 4] * 2, dict(BETTER, lengths="past"), length=32)
+    assert [v["task"] for v in mqar_suite.verdicts(longer)] == ["kv2_len32"]
+
+
+def test_the_hypotheses_name_rows_of_the_suite_and_state_their_numbers():
+    for h in mqar_suite.HYPOTHESES:
+        assert h.model in mqar_suite.ROWS and (h.control is None or h.control in mqar_suite.ROWS), h.key
+        assert h.expected_width > 0 and h.tolerance >= 0, h.key
+        assert (h.sense == "at_least") == (h.threshold is not None), h.key
+        assert h.sense == "at_least" or h.smallest_effect > h.tolerance, h.key
+    assert len({h.key for h in mqar_suite.HYPOTHESES}) == len(mqar_suite.HYPOTHESES)
+
+
+def test_a_setting_with_the_window_not_shorter_than_the_sequence_is_refused():
+    with pytest.raises(ValueError, match="shorter than the training length"):
+        dataclasses.replace(QUICK, window=16, mela_patch=4)
+    assert copy.deepcopy(QUICK) == QUICK
