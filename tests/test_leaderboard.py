@@ -359,7 +359,8 @@ def test_verdicts_from_json(mqar_quick):
     assert rebuilt and all(v["verdict"] == "supported" and v["ci95"] == [1.0, 1.0] for v in rebuilt)
 
 
-def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick):
+def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick, capsys):
+    from conftest import load_script
     from torchtitan_ext.eval import mqar_suite
 
     out, run = mqar_quick
@@ -392,10 +393,13 @@ def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick):
     assert costs["transformer_window"] * s.train_len == costs["transformer_full"] * s.window
     markdown = (out / "mqar.md").read_text()
     assert all(f"| {name} |" in markdown for name in mqar_suite.ROWS) and f"LR grid {list(s.lrs)}" in markdown
+    split = mqar_suite.by_distance(results)  # every query at the training length falls on one side of the window
+    assert all(sum(c[1] for c in split[n].values()) == len(s.seeds) * s.test_prompts * sum(
+        kv for kv, n_ in s.tasks() if n_ == s.train_len) for n in mqar_suite.ROWS)
     assert (out / "mqar_accuracy.png").stat().st_size > 0
-    # a rerun reuses every finished row
-    again = leaderboard("--suite", "mqar", "--quick", "--out", str(out), timeout=600)
-    assert again.returncode == 0 and again.stdout.count(": reused ") == len(mqar_suite.ROWS), again.stdout[-2000:]
+    # a rerun (in this process) reuses every finished row
+    load_script("leaderboard").main(["--suite", "mqar", "--quick", "--out", str(out)])
+    assert capsys.readouterr().out.count(": reused ") == len(mqar_suite.ROWS)
     assert json.loads((out / "mqar.json").read_text())["verdicts"] == results["verdicts"]
 
 
@@ -404,7 +408,11 @@ def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick):
     (["--suite", "mqar", "--rows", "transformer_full,rwkv"], "unknown row(s) ['rwkv'] in suite mqar"),
     (["--suite", "mqar", "--steps", "0"], "--steps must be at least 1"),
 ])
-def test_mqar_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    run = leaderboard(*args, *([] if "--out DIR" in message else ["--out", str(tmp_path / "out")]))
-    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and message in run.stderr, run.stderr
+def test_mqar_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys):
+    from conftest import load_script
+
+    with pytest.raises(SystemExit) as exit_:
+        load_script("leaderboard").main([*args, *([] if "--out DIR" in message else ["--out", str(tmp_path / "out")])])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().count("\n") == 0 and message in err, err
     assert not (tmp_path / "out").exists()

@@ -370,6 +370,29 @@ def summaries(results: dict) -> dict:
             for name, row in results["rows"].items()}
 
 
+def by_distance(results: dict) -> dict:
+    """Exploratory (added after the first run was started, not a hypothesis): per row, the
+    share of queries answered right at the training length, every key-value count and seed
+    pooled, split by the key's distance: within the window (<= window tokens back, where the
+    windowed rows' attention reaches the pair's value) and beyond it. {row: {"inside": [right,
+    asked], "beyond": [right, asked]}}."""
+    s = results["setting"]
+    out = {}
+    for name, row in results["rows"].items():
+        counts = {"inside": [0, 0], "beyond": [0, 0]}
+        for seed in row["seeds"].values():
+            for task in seed["tasks"].values():
+                if task["length"] != s["train_len"]:
+                    continue
+                for right, far in zip(task["correct"], task["distance"]):
+                    for ok, d in zip(right, far):
+                        side = counts["inside" if d <= s["window"] else "beyond"]
+                        side[0] += ok
+                        side[1] += 1
+        out[name] = counts
+    return out
+
+
 def floor_tasks(results: dict, table: dict) -> list[str]:
     """Tasks on which every row's pooled accuracy is at most FLOOR."""
     keys = next(iter(table.values())).keys() if table else []
@@ -533,6 +556,15 @@ def markdown(results: dict) -> str:
         cells = [f"{r['val_accuracy']:.3f}" + (f" (non-finite at {r['nonfinite_step']})" if r["nonfinite_step"] else "")
                  for r in row["sweep"]]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {row['best_lr']:g} |")
+    split = by_distance(results)
+    lines += ["", f"## Exploratory: by the key's distance (training length {s['train_len']}, window {s['window']})", "",
+              "Added after the run was started, not a hypothesis: queries whose pair lies within the window (<= "
+              f"{s['window']} tokens back) and beyond it, every key-value count and seed pooled (queries, not "
+              "independent items: no interval). Mela's window is its decoder chunk and MAC's its segment, so their "
+              "split is approximate.", "", "| row | within the window | beyond the window |", "| --- | --- | --- |"]
+    for name, counts in split.items():
+        cells = [f"{c[0] / c[1]:.3f} ({c[1]:,} queries)" if c[1] else "-" for c in (counts["inside"], counts["beyond"])]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Wall times and tokens/s are single timings on a shared 2-core machine (no interval)."]
     return "\n".join(lines) + "\n"
 
