@@ -25,8 +25,9 @@ Chunk c's queries read M_{c-1} (the state entering it: thesis eq. 2.41), or with
 kernels through two custom ops (`memory_kernels::whole_sequence_fwd` / `_bwd`), which
 torch.compile keeps opaque (the chunk loop is never traced, whatever T) and which have meta
 implementations (the launch count and shapes can be checked on the meta device). The forward
-keeps the state entering every chunk for the backward (`saved_bytes`); the backward recomputes
-each chunk from it, so nothing per token is kept besides the inputs.
+keeps the state entering every `checkpoint_every`-th chunk (and the final state) for the
+backward (`saved_bytes`); the backward recomputes the states between and each chunk's
+intermediates from them, so nothing per token is kept besides the inputs.
 """
 
 from __future__ import annotations
@@ -136,6 +137,22 @@ def _blocks(dim: int, chunk: int, hidden: int) -> dict:
             "num_warps": 8 if dim * chunk > 64 * 32 else 4}
 
 
+def _checkpoints(q: torch.Tensor, hidden: int, chunks: int, every: int):
+    """Empty (B*H, ceil(chunks / every) + 1, 2, d, h) and (..., h, d) fp32 checkpoint buffers."""
+    batch, heads, _, _, dim = q.shape
+    entries = -(-chunks // every) + 1
+    return (q.new_empty(batch * heads, entries, 2, dim, hidden, dtype=torch.float32),
+            q.new_empty(batch * heads, entries, 2, hidden, dim, dtype=torch.float32))
+
+
+def _group_buffers(q: torch.Tensor, hidden: int, every: int):
+    """The states inside a group of `every` chunks, (B*H, every, 2, d, h) and (..., h, d) fp32
+    (one entry's worth where every = 1: the kernels compute its address but never use it)."""
+    batch, heads, _, _, dim = q.shape
+    return (q.new_empty(batch * heads, every, 2, dim, hidden, dtype=torch.float32),
+            q.new_empty(batch * heads, every, 2, hidden, dim, dtype=torch.float32))
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().flatten(0, 1)
 
@@ -149,37 +166,34 @@ def _launch_options(q, s1, ns_steps):
 @torch.library.custom_op("memory_kernels::whole_sequence_fwd", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
                 s1: torch.Tensor, s2: torch.Tensor, ns_steps: int, step_scale: float, residual: bool,
-                read_after_write: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y (B, H, N, C, d), final s1, final s2, ck1 (B*H, N + 1, 2, d, h), ck2 (B*H, N + 1, 2, h, d)),
-    all fp32: one launch (the final state is copied out of the checkpoints' last entry)."""
+                read_after_write: bool, checkpoint_every: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (B, H, N, C, d), final s1, final s2, ck1 (B*H, NG + 1, 2, d, h), ck2 (B*H, NG + 1, 2, h, d)),
+    NG = ceil(N / checkpoint_every), all fp32: one launch (the final state is copied out of the
+    checkpoints' last entry)."""
     batch, heads, chunks, chunk, dim = q.shape
     hidden = s1.shape[-1]
-    ck1 = q.new_empty(batch * heads, chunks + 1, 2, dim, hidden, dtype=torch.float32)
-    ck2 = q.new_empty(batch * heads, chunks + 1, 2, hidden, dim, dtype=torch.float32)
+    ck1, ck2 = _checkpoints(q, hidden, chunks, checkpoint_every)
     ck1[:, 0], ck2[:, 0] = _flat(s1), _flat(s2)
     y = q.new_empty(q.shape, dtype=torch.float32)
     scratch = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32) if ns_steps else y
     _kernels.whole_sequence_fwd[(batch * heads,)](
-        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2, y, scratch, float(step_scale),
-        chunks, chunk, dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write,
-        **_launch_options(q, s1, ns_steps))
+        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2,
+        *_group_buffers(q, hidden, checkpoint_every), y, scratch, float(step_scale), chunks, checkpoint_every, chunk,
+        dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, s1, ns_steps))
     return y, ck1[:, -1].view(s1.shape).clone(), ck2[:, -1].view(s2.shape).clone(), ck1, ck2
 
 
 @_forward_op.register_fake
-def _(q, k, v, token_weights, gates, s1, s2, ns_steps, step_scale, residual, read_after_write):
-    batch, heads, chunks, chunk, dim = q.shape
-    hidden = s1.shape[-1]
+def _(q, k, v, token_weights, gates, s1, s2, ns_steps, step_scale, residual, read_after_write, checkpoint_every):
     return (q.new_empty(q.shape, dtype=torch.float32), s1.new_empty(s1.shape, dtype=torch.float32),
-            s2.new_empty(s2.shape, dtype=torch.float32),
-            q.new_empty(batch * heads, chunks + 1, 2, dim, hidden, dtype=torch.float32),
-            q.new_empty(batch * heads, chunks + 1, 2, hidden, dim, dtype=torch.float32))
+            s2.new_empty(s2.shape, dtype=torch.float32), *_checkpoints(q, s1.shape[-1], q.shape[2], checkpoint_every))
 
 
 @torch.library.custom_op("memory_kernels::whole_sequence_bwd", mutates_args=())
 def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
                  ck1: torch.Tensor, ck2: torch.Tensor, dy: torch.Tensor, dn1: torch.Tensor, dn2: torch.Tensor,
-                 ns_steps: int, step_scale: float, residual: bool, read_after_write: bool
+                 ns_steps: int, step_scale: float, residual: bool, read_after_write: bool, checkpoint_every: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
     """(dq, dk, dv, d token_weights, d gates, d s1, d s2), all fp32: one launch."""
@@ -193,21 +207,20 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weight
     iterates = q.new_empty(batch * heads, 2, max(ns_steps, 1), dim, hidden, dtype=torch.float32)
     ybuf = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32)
     _kernels.whole_sequence_bwd[(batch * heads,)](
-        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2, _flat(dy.to(torch.float32)),
-        ds1, ds2, dq, dk, dv, dtw, dgates, iterates, ybuf, float(step_scale), chunks, chunk, dim, hidden,
+        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2,
+        *_group_buffers(q, hidden, checkpoint_every), _flat(dy.to(torch.float32)), ds1, ds2, dq, dk, dv, dtw, dgates,
+        iterates, ybuf, float(step_scale), chunks, checkpoint_every, chunk, dim, hidden,
         RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, ck1, ns_steps))
     return dq, dk, dv, dtw, dgates, ds1.view(dn1.shape), ds2.view(dn2.shape)
 
 
 @_backward_op.register_fake
-def _(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2, ns_steps, step_scale, residual, read_after_write):
+def _(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2, ns_steps, step_scale, residual, read_after_write,
+      checkpoint_every):
     fp32 = dict(dtype=torch.float32)
     return (q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32),
             q.new_empty(token_weights.shape, **fp32), q.new_empty(gates.shape, **fp32),
             q.new_empty(dn1.shape, **fp32), q.new_empty(dn2.shape, **fp32))
-
-
-_OPTIONS = ("ns_steps", "step_scale", "residual", "read_after_write")
 
 
 def _setup_context(ctx, inputs, output):
@@ -230,31 +243,34 @@ def _backward(ctx, dy, dn1, dn2, _dck1, _dck2):
     dq, dk, dv, dtw, dgates, ds1, ds2 = _backward_op(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2,
                                                      *ctx.options)
     cast = [g.to(t.dtype) for g, t in zip((dq, dk, dv, dtw, dgates), (q, k, v, token_weights, gates))]
-    return (*cast, ds1, ds2, None, None, None, None)
+    return (*cast, ds1, ds2, None, None, None, None, None)
 
 
 torch.library.register_autograd("memory_kernels::whole_sequence_fwd", _backward, setup_context=_setup_context)
 
 
 def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 0, step_scale: float = 1.0,
-                          residual: bool = False, read_after_write: bool = False):
+                          residual: bool = False, read_after_write: bool = False, checkpoint_every: int = 1):
     """The Triton path of the module docstring's rule: (y (B, H, N, C, d) fp32, final state
-    (two (B, H, 2, in, out) fp32)). ValueError naming the reason where it cannot run (`refusal`)."""
+    (two (B, H, 2, in, out) fp32)); the state entering every `checkpoint_every`-th chunk is kept
+    for the backward. ValueError naming the reason where it cannot run (`refusal`)."""
     reason = refusal(state, q, k, v, token_weights, gates, ns_steps)
+    if reason is None and checkpoint_every < 1:
+        reason = f"checkpoint_every {checkpoint_every} (must be >= 1)"
     if reason is not None:
         raise ValueError(f"whole_sequence_memory: {reason}; use the chunked path")
     flat_gates = gates if ns_steps else gates.flatten(-2)
     y, s1, s2, _, _ = _forward_op(q, k, v, token_weights, flat_gates, state[0], state[1], ns_steps, float(step_scale),
-                                  residual, read_after_write)
+                                  residual, read_after_write, checkpoint_every)
     return y, (s1, s2)
 
 
 def saved_bytes(batch: int, heads: int, seq_len: int, chunk: int, head_dim: int, hidden: int,
-                input_bytes: int = 2) -> int:
+                input_bytes: int = 2, checkpoint_every: int = 1) -> int:
     """Bytes the whole-sequence path keeps from forward to backward for one layer: the fp32
-    state entering each chunk and the final state ([M; S] of W_1 and W_2) plus q, k, v
-    (`input_bytes` each element), two token weightings and four gates per chunk in fp32."""
+    state entering every `checkpoint_every`-th chunk and the final state ([M; S] of W_1 and W_2)
+    plus q, k, v (`input_bytes` each element), two token weightings and four gates per chunk in fp32."""
     chunks = math.ceil(seq_len / chunk)
-    state = (chunks + 1) * 2 * 2 * head_dim * hidden * 4
+    state = (math.ceil(chunks / checkpoint_every) + 1) * 2 * 2 * head_dim * hidden * 4
     inputs = 3 * seq_len * head_dim * input_bytes + seq_len * 2 * 4 + chunks * 4 * 4
     return batch * heads * (state + inputs)

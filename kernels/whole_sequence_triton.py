@@ -10,11 +10,14 @@ the matching rows of W_2 (HD, D); what spans the hidden width is a sum over bloc
 memory's output, the error's gradient, Newton-Schulz's D x D Gram matrix) kept in registers.
 The state lives in global memory (L2 on an H100: 256 KiB per head at the paper shape):
 
-- forward: the state entering chunk c is checkpointed, ck[c] (B*H, N + 1, 2, in, out) holds
-  [M; S] before chunk c and ck[N] the final state, so chunk c reads ck[c] and writes ck[c + 1];
-- backward: chunk c is recomputed from ck[c] (and ck[c + 1], where the read follows the write
-  or Newton-Schulz is differentiated); the state's gradient is updated in place, from the
-  final state's back to the initial state's.
+- forward: chunk c reads the state entering it and writes the next; every G-th state is kept,
+  ck[g] (B*H, ceil(N / G) + 1, 2, in, out) holds [M; S] entering chunk g G and ck[-1] the
+  final state; the states between live in a group buffer seg (B*H, G, 2, in, out);
+- backward: group by group from the last, the group's states are recomputed from its
+  checkpoint into seg, then its chunks run backward, each recomputing its own forward from the
+  state entering it (and the state it wrote, where the read follows the write or Newton-Schulz
+  is differentiated); the state's gradient is updated in place, from the final state's back
+  to the initial state's. G = 1 keeps every state and recomputes none.
 
 Newton-Schulz (NS_STEPS > 0) works on the wide view (D, HD) of each matrix (W_2 read
 transposed through its strides: NS(X^T) = NS(X)^T); its iterates go to a scratch buffer,
@@ -197,83 +200,124 @@ def _key_error(k, v, w1_ptr, w2_ptr, D, HD, rd, rh, RESIDUAL: tl.constexpr, BH: 
 
 
 @triton.jit
-def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr, y_ptr, x_ptr, step_scale, N, C, D, HD,
-                       K: tl.constexpr, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr, B_COEF: tl.constexpr,
-                       C_COEF: tl.constexpr, RESIDUAL: tl.constexpr, READ_AFTER_WRITE: tl.constexpr,
-                       BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
-    """One (batch, head) over its N chunks. q, k, v (N, C, D); tw (N, C, K); gates (N, 4) =
-    the mix [[m00, m01], [m10, m11]] (NS_STEPS 0) or (N, 2) = (eta, alpha); ck1 (N + 1, 2, D, HD),
-    ck2 (N + 1, 2, HD, D) with ck[0] given; writes ck[1..N] and y (N, C, D); x (2, D, HD) scratch."""
+def _write_chunk(q, k, v, tw0, tw1, gates_ptr, gate_row, old1, old2, new1, new2, x1, x2, step_scale, D, HD, rd, rh,
+                 NS_STEPS: tl.constexpr, A_COEF: tl.constexpr, B_COEF: tl.constexpr, C_COEF: tl.constexpr,
+                 RESIDUAL: tl.constexpr, READ_AFTER_WRITE: tl.constexpr, READ: tl.constexpr, BD: tl.constexpr,
+                 BH: tl.constexpr):
+    """One chunk: the state at old1 / old2 ([M; S] of W_1 (2, D, HD) and W_2 (2, HD, D)) written
+    to new1 / new2 by the chunk's keys, values, token weights (tw0, tw1) and gates (row
+    `gate_row` of gates_ptr: 4 mix entries, or eta and alpha with NS_STEPS > 0). x1, x2
+    (D, HD) scratch for Newton-Schulz. Returns the chunk's reads y (BC, BD) when READ."""
+    size1 = D * HD
+    size2 = HD * D
+    delta = _key_error(k, v, old1, old2, D, HD, rd, rh, RESIDUAL, BH)
+    y = tl.zeros_like(q)
+    if READ and not READ_AFTER_WRITE:
+        y = _mlp(q, old1, old2, D, HD, rd, rh, BH)
+    if NS_STEPS > 0:
+        eta = tl.load(gates_ptr + gate_row * 2).to(tl.float32)
+        alpha = tl.load(gates_ptr + gate_row * 2 + 1).to(tl.float32)
+    else:
+        m00 = tl.load(gates_ptr + gate_row * 4).to(tl.float32)
+        m01 = tl.load(gates_ptr + gate_row * 4 + 1).to(tl.float32)
+        m10 = tl.load(gates_ptr + gate_row * 4 + 2).to(tl.float32)
+        m11 = tl.load(gates_ptr + gate_row * 4 + 3).to(tl.float32)
+    for h0 in range(0, HD, BH):
+        w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
+        s1 = _load(old1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
+        w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+        s2 = _load(old2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+        act, d1, _ = _silu_parts(_dot(k, w1))
+        err = _dot(delta, tl.trans(w2)) * d1  # the error back through W_2 and the SiLU, (BC, BH)
+        g1_0 = _dot(tl.trans(k * tw0[:, None]), err)
+        g2_0 = _dot(tl.trans(act * tw0[:, None]), delta)
+        if NS_STEPS > 0:  # S' = eta S - G; M' after Newton-Schulz below
+            _store(new1 + size1 + h0, eta * s1 - g1_0, rd, rh, D, HD - h0, HD, 1)
+            _store(new2 + size2 + h0 * D, eta * s2 - g2_0, rh, rd, HD - h0, D, D, 1)
+        else:  # [M'; S'] = mix [M; S] + [G_0; G_1]
+            g1_1 = _dot(tl.trans(k * tw1[:, None]), err)
+            g2_1 = _dot(tl.trans(act * tw1[:, None]), delta)
+            _store(new1 + h0, m00 * w1 + m01 * s1 + g1_0, rd, rh, D, HD - h0, HD, 1)
+            _store(new1 + size1 + h0, m10 * w1 + m11 * s1 + g1_1, rd, rh, D, HD - h0, HD, 1)
+            _store(new2 + h0 * D, m00 * w2 + m01 * s2 + g2_0, rh, rd, HD - h0, D, D, 1)
+            _store(new2 + size2 + h0 * D, m10 * w2 + m11 * s2 + g2_1, rh, rd, HD - h0, D, D, 1)
+    tl.debug_barrier()
+    if NS_STEPS > 0:  # M' = (1 - alpha) M + step_scale NS(S'), per matrix on its (D, HD) view
+        _ns_forward(new1 + size1, HD, 1, x1, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
+        _ns_forward(new2 + size2, 1, D, x2, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
+        for h0 in range(0, HD, BH):
+            w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
+            w2t = _load(old2 + h0 * D, rd, rh, D, HD - h0, 1, D)
+            step1 = _load(x1 + h0, rd, rh, D, HD - h0, HD, 1)
+            step2 = _load(x2 + h0, rd, rh, D, HD - h0, HD, 1)
+            _store(new1 + h0, (1 - alpha) * w1 + step_scale * step1, rd, rh, D, HD - h0, HD, 1)
+            _store(new2 + h0 * D, (1 - alpha) * w2t + step_scale * step2, rd, rh, D, HD - h0, 1, D)
+        tl.debug_barrier()
+    if READ and READ_AFTER_WRITE:
+        y = _mlp(q, new1, new2, D, HD, rd, rh, BH)
+    if RESIDUAL:
+        y += q
+    return y
+
+
+@triton.jit
+def _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G, NG, D, HD):
+    """(old1, old2, new1, new2) of chunk c in the group of chunks first .. last (g = first // G):
+    the group's entering state is checkpoint g, its result checkpoint g + 1; the states between
+    are entries c - first of the group's buffer seg (G, 2, ...)."""
+    size1 = D * HD
+    g = first // G
+    old1 = seg1_ptr + (pid * G + c - first) * 2 * size1
+    old2 = seg2_ptr + (pid * G + c - first) * 2 * size1
+    if c == first:
+        old1 = ck1_ptr + (pid * (NG + 1) + g) * 2 * size1
+        old2 = ck2_ptr + (pid * (NG + 1) + g) * 2 * size1
+    new1 = seg1_ptr + (pid * G + c + 1 - first) * 2 * size1
+    new2 = seg2_ptr + (pid * G + c + 1 - first) * 2 * size1
+    if c == last:
+        new1 = ck1_ptr + (pid * (NG + 1) + g + 1) * 2 * size1
+        new2 = ck2_ptr + (pid * (NG + 1) + g + 1) * 2 * size1
+    return old1, old2, new1, new2
+
+
+@triton.jit
+def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, y_ptr, x_ptr,
+                       step_scale, N, G, C, D, HD, K: tl.constexpr, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr,
+                       B_COEF: tl.constexpr, C_COEF: tl.constexpr, RESIDUAL: tl.constexpr,
+                       READ_AFTER_WRITE: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+    """One (batch, head) over its N chunks in groups of G. q, k, v (N, C, D); tw (N, C, K);
+    gates (N, 4) = the mix [[m00, m01], [m10, m11]] (NS_STEPS 0) or (N, 2) = (eta, alpha);
+    ck1 (NG + 1, 2, D, HD), ck2 (NG + 1, 2, HD, D), NG = ceil(N / G), with ck[0] given: writes
+    ck[g] = the state entering chunk g G, ck[NG] = the final state, and y (N, C, D); seg1, seg2
+    (G, 2, ...) hold the states inside a group; x (2, D, HD) scratch."""
     pid = tl.program_id(0).to(tl.int64)
     rc, rd, rh = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BH)
-    size1, size2 = D * HD, HD * D
+    NG = (N + G - 1) // G
+    x1 = x_ptr + pid * 2 * D * HD
     for c in range(N):
+        first = (c // G) * G
+        last = tl.minimum(first + G, N) - 1
+        old1, old2, new1, new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G, NG, D, HD)
         q = _chunk_rows(q_ptr, pid, c, N, C, D, rc, rd)
         k = _chunk_rows(k_ptr, pid, c, N, C, D, rc, rd)
         v = _chunk_rows(v_ptr, pid, c, N, C, D, rc, rd)
         tw0 = _token_weight(tw_ptr, pid, c, N, C, K, 0, rc)
         tw1 = _token_weight(tw_ptr, pid, c, N, C, K, K - 1, rc)
-        old1 = ck1_ptr + (pid * (N + 1) + c) * 2 * size1
-        old2 = ck2_ptr + (pid * (N + 1) + c) * 2 * size2
-        new1, new2 = old1 + 2 * size1, old2 + 2 * size2
-        delta = _key_error(k, v, old1, old2, D, HD, rd, rh, RESIDUAL, BH)
-        if not READ_AFTER_WRITE:
-            y = _mlp(q, old1, old2, D, HD, rd, rh, BH)
-        if NS_STEPS > 0:
-            eta = tl.load(gates_ptr + (pid * N + c) * 2).to(tl.float32)
-            alpha = tl.load(gates_ptr + (pid * N + c) * 2 + 1).to(tl.float32)
-        else:
-            m00 = tl.load(gates_ptr + (pid * N + c) * 4).to(tl.float32)
-            m01 = tl.load(gates_ptr + (pid * N + c) * 4 + 1).to(tl.float32)
-            m10 = tl.load(gates_ptr + (pid * N + c) * 4 + 2).to(tl.float32)
-            m11 = tl.load(gates_ptr + (pid * N + c) * 4 + 3).to(tl.float32)
-        for h0 in range(0, HD, BH):
-            w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
-            s1 = _load(old1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
-            w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-            s2 = _load(old2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-            act, d1, _ = _silu_parts(_dot(k, w1))
-            err = _dot(delta, tl.trans(w2)) * d1  # the error back through W_2 and the SiLU, (BC, BH)
-            g1_0 = _dot(tl.trans(k * tw0[:, None]), err)
-            g2_0 = _dot(tl.trans(act * tw0[:, None]), delta)
-            if NS_STEPS > 0:  # S' = eta S - G; M' after Newton-Schulz below
-                _store(new1 + size1 + h0, eta * s1 - g1_0, rd, rh, D, HD - h0, HD, 1)
-                _store(new2 + size2 + h0 * D, eta * s2 - g2_0, rh, rd, HD - h0, D, D, 1)
-            else:  # [M'; S'] = mix [M; S] + [G_0; G_1]
-                g1_1 = _dot(tl.trans(k * tw1[:, None]), err)
-                g2_1 = _dot(tl.trans(act * tw1[:, None]), delta)
-                _store(new1 + h0, m00 * w1 + m01 * s1 + g1_0, rd, rh, D, HD - h0, HD, 1)
-                _store(new1 + size1 + h0, m10 * w1 + m11 * s1 + g1_1, rd, rh, D, HD - h0, HD, 1)
-                _store(new2 + h0 * D, m00 * w2 + m01 * s2 + g2_0, rh, rd, HD - h0, D, D, 1)
-                _store(new2 + size2 + h0 * D, m10 * w2 + m11 * s2 + g2_1, rh, rd, HD - h0, D, D, 1)
-        tl.debug_barrier()
-        if NS_STEPS > 0:  # M' = (1 - alpha) M + step_scale NS(S'), per matrix on its (D, HD) view
-            x1 = x_ptr + pid * 2 * size1
-            x2 = x1 + size1
-            _ns_forward(new1 + size1, HD, 1, x1, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
-            _ns_forward(new2 + size2, 1, D, x2, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
-            for h0 in range(0, HD, BH):
-                w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
-                w2t = _load(old2 + h0 * D, rd, rh, D, HD - h0, 1, D)
-                step1 = _load(x1 + h0, rd, rh, D, HD - h0, HD, 1)
-                step2 = _load(x2 + h0, rd, rh, D, HD - h0, HD, 1)
-                _store(new1 + h0, (1 - alpha) * w1 + step_scale * step1, rd, rh, D, HD - h0, HD, 1)
-                _store(new2 + h0 * D, (1 - alpha) * w2t + step_scale * step2, rd, rh, D, HD - h0, 1, D)
-            tl.debug_barrier()
-        if READ_AFTER_WRITE:
-            y = _mlp(q, new1, new2, D, HD, rd, rh, BH)
-        if RESIDUAL:
-            y += q
+        y = _write_chunk(q, k, v, tw0, tw1, gates_ptr, pid * N + c, old1, old2, new1, new2, x1, x1 + D * HD,
+                         step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, RESIDUAL, READ_AFTER_WRITE, True,
+                         BD, BH)
         _store(y_ptr + (pid * N + c) * C * D, y, rc, rd, C, D, D, 1)
+        tl.debug_barrier()
 
 
 @triton.jit
-def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr, dy_ptr, ds1_ptr, ds2_ptr,
-                       dq_ptr, dk_ptr, dv_ptr, dtw_ptr, dgates_ptr, iter_ptr, ybuf_ptr, step_scale, N, C, D, HD,
+def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, dy_ptr, ds1_ptr,
+                       ds2_ptr, dq_ptr, dk_ptr, dv_ptr, dtw_ptr, dgates_ptr, iter_ptr, ybuf_ptr, step_scale, N, G, C, D, HD,
                        K: tl.constexpr, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr, B_COEF: tl.constexpr,
                        C_COEF: tl.constexpr, RESIDUAL: tl.constexpr, READ_AFTER_WRITE: tl.constexpr,
                        BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
-    """One (batch, head), chunks N-1 .. 0, recomputing each from its checkpoint. ds1 (2, D, HD),
+    """One (batch, head), groups of G chunks from the last: each group's states are recomputed
+    from its checkpoint into seg (as the forward), then its chunks N-1 .. 0 run backward. ds1 (2, D, HD),
     ds2 (2, HD, D) enter as dL/d(final state) and leave as dL/d(initial state); writes dq, dk, dv
     (N, C, D), dtw (N, C, K), dgates like gates. Scratch: iter (2, NS_STEPS, D, HD), ybuf (2, D, HD).
 
@@ -284,17 +328,29 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
     rc, rd, rh = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BH)
     size1, size2 = D * HD, HD * D
     ds1, ds2 = ds1_ptr + pid * 2 * size1, ds2_ptr + pid * 2 * size2
+    NG = (N + G - 1) // G
+    x1 = ybuf_ptr + pid * 2 * size1  # Newton-Schulz scratch of the recomputation (free until the backward)
     for step in range(N):
         c = N - 1 - step
+        first = (c // G) * G
+        last = tl.minimum(first + G, N) - 1
+        if c == last:  # entering a group from its end: recompute the states between its checkpoints
+            for r in range(first, last):
+                r_old1, r_old2, r_new1, r_new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, r, first,
+                                                                 last, G, NG, D, HD)
+                r_q = _chunk_rows(q_ptr, pid, r, N, C, D, rc, rd)
+                _write_chunk(r_q, _chunk_rows(k_ptr, pid, r, N, C, D, rc, rd), _chunk_rows(v_ptr, pid, r, N, C, D, rc, rd),
+                             _token_weight(tw_ptr, pid, r, N, C, K, 0, rc), _token_weight(tw_ptr, pid, r, N, C, K, K - 1, rc),
+                             gates_ptr, pid * N + r, r_old1, r_old2, r_new1, r_new2, x1, x1 + size1, step_scale, D, HD,
+                             rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, RESIDUAL, READ_AFTER_WRITE, False, BD, BH)
+                tl.debug_barrier()
+        old1, old2, new1, new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G, NG, D, HD)
         q = _chunk_rows(q_ptr, pid, c, N, C, D, rc, rd)
         k = _chunk_rows(k_ptr, pid, c, N, C, D, rc, rd)
         v = _chunk_rows(v_ptr, pid, c, N, C, D, rc, rd)
         dy = _chunk_rows(dy_ptr, pid, c, N, C, D, rc, rd)
         tw0 = _token_weight(tw_ptr, pid, c, N, C, K, 0, rc)
         tw1 = _token_weight(tw_ptr, pid, c, N, C, K, K - 1, rc)
-        old1 = ck1_ptr + (pid * (N + 1) + c) * 2 * size1
-        old2 = ck2_ptr + (pid * (N + 1) + c) * 2 * size2
-        new1, new2 = old1 + 2 * size1, old2 + 2 * size2
         dq = tl.zeros_like(q)
         if READ_AFTER_WRITE:  # y = M'(q): into dL/dM' before anything reads it
             dq += _read_backward(q, dy, new1, new2, ds1, ds2, D, HD, rd, rh, BH)

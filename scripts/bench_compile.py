@@ -2,10 +2,14 @@
 the paper flavors' chunking, compiled two ways: "block", as torchtitan's `apply_compile`
 compiles each block (whole, `fullgraph=True`), and "regional", as Titans training now does
 (`torchtitan_ext.families.titans.compile_regions`: attention, gate and SwiGLU compiled each on
-its own, the memory's chunk loop eager with each chunk step compiled).
+its own, the memory's chunk loop eager with each chunk step compiled), and "whole_sequence": the block
+compiled whole (`fullgraph=True`) with its memory on the whole-sequence kernels
+(`NeuralMemoryConfig.whole_sequence`: two custom ops the graph keeps opaque, so nothing unrolls; on
+a CPU run the script with TRITON_INTERPRET=1; where the kernels cannot run, the fallback's warning
+stops the script with its reason instead of timing the chunk loop).
 
     python scripts/bench_compile.py [--variant mac] [--lengths 1024,4096] [--backends eager,aot_eager]
-        [--modes block,regional] [--chunk 64] [--checkpoint-chunks 4]
+        [--modes block,regional,whole_sequence] [--chunk 64] [--checkpoint-chunks 4]
 
 The paper flavors (torchtitan_ext/families/titans.py) write chunks of 64 tokens and recompute
 groups of 4 chunks in backward. torch.compile unrolls the memory's chunk loop into the block's
@@ -26,11 +30,12 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+import warnings
 
 import torch
 
 from models.lms.titans import TitansConfig, TitansLM, VARIANTS
-from models.memory.neural_memory import NeuralMemoryConfig
+from models.memory.neural_memory import NeuralMemoryConfig, use_whole_sequence
 from torchtitan_ext.families.titans import compile_regions
 
 WIDTH, HEADS = 64, 2
@@ -45,9 +50,11 @@ def one_block_lm(variant: str, chunk: int, checkpoint_chunks: int) -> TitansLM:
 
 
 def compiled_block(model: TitansLM, mode: str, backend: str) -> torch.nn.Module:
-    """The model's block compiled in `mode` ("block" or "regional"), on a copy of the model."""
+    """The model's block compiled in `mode` ("block", "regional" or "whole_sequence"), on a copy of the model."""
     model = copy.deepcopy(model)
-    if mode == "block":
+    if mode == "whole_sequence":
+        use_whole_sequence(model)
+    if mode in ("block", "whole_sequence"):
         return torch.compile(model.layers["0"], fullgraph=True, backend=backend)
     compile_regions(model, backend)
     return model.layers["0"]
@@ -66,10 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", default="mac", choices=VARIANTS)
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--backends", default="eager,aot_eager")
-    parser.add_argument("--modes", default="block,regional")
+    parser.add_argument("--modes", default="block,regional", help="block, regional, whole_sequence")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--checkpoint-chunks", type=int, default=4)
     args = parser.parse_args(argv)
+    warnings.filterwarnings("error", message="whole-sequence memory path not taken")
     torch.manual_seed(0)
     model = one_block_lm(args.variant, args.chunk, args.checkpoint_chunks)
     print(f"Titans {args.variant} block, width {WIDTH}, {HEADS} heads, chunk {args.chunk}, checkpoint_chunks "

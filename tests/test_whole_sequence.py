@@ -62,12 +62,14 @@ def relative_errors(ours, reference):
             for name, a, b in zip(NAMES, ours, reference)}
 
 
-def check_against_reference(shape, ns_steps, residual, read_after_write, tolerance, dtype=torch.float32):
+def check_against_reference(shape, ns_steps, residual, read_after_write, tolerance, dtype=torch.float32,
+                            checkpoint_every=1):
     tensors = inputs(*shape, ns_steps, dtype=dtype)
     options = dict(ns_steps=ns_steps, step_scale=0.7, residual=residual, read_after_write=read_after_write)
     # the reference in float64 from the same (possibly bf16-rounded) inputs; the state stays fp32 in the kernels
     state, rest = tensors[:2], tensors[2:]
-    ours = outputs_and_grads(whole_sequence_memory, [s.float() for s in state] + rest, **options)
+    ours = outputs_and_grads(whole_sequence_memory, [s.float() for s in state] + rest, checkpoint_every=checkpoint_every,
+                             **options)
     reference = outputs_and_grads(whole_sequence_reference, [t.double() for t in tensors], **options)
     errors = relative_errors(ours, reference)
     assert max(errors.values()) < tolerance, errors
@@ -86,6 +88,13 @@ def test_whole_sequence_odd_shapes_match_reference(ns_steps, residual, read_afte
     """Sizes that are no power of two and a hidden width over one block (masks, two blocks):
     batch 2, one head, 2 chunks of 12, head_dim 24, hidden 96."""
     check_against_reference((2, 1, 2, 12, 24, 96), ns_steps, residual, read_after_write, 1e-5)
+
+
+@pytest.mark.parametrize("ns_steps, checkpoint_every", [(0, 2), (5, 3)])
+def test_whole_sequence_checkpoint_stride_recomputes_exactly(ns_steps, checkpoint_every):
+    """Keeping every 2nd (3rd) chunk's state, 5 chunks (the last group partial): the backward
+    recomputes the states between and still matches the reference."""
+    check_against_reference((1, 2, 5, 8, 16, 32), ns_steps, False, ns_steps > 0, 1e-5, checkpoint_every=checkpoint_every)
 
 
 @pytest.mark.parametrize("ns_steps", [0, 5])
@@ -133,8 +142,9 @@ def step_ops(seq_len: int, whole_sequence: bool, **memory) -> collections.Counte
     return counter.ops
 
 
-@pytest.mark.parametrize("memory", [{}, {"gates": "chunk", "newton_schulz_steps": 5, "read_after_write": True}],
-                         ids=["token_rule", "newton_schulz_rule"])
+@pytest.mark.parametrize("memory", [{"checkpoint_chunks": 4},
+                                    {"gates": "chunk", "newton_schulz_steps": 5, "read_after_write": True}],
+                         ids=["token_rule_checkpoint_4", "newton_schulz_rule"])
 def test_whole_sequence_launches_do_not_grow_with_length(memory):
     """At T 4096 and 8192 a layer's training step dispatches the same ops, one forward and one
     backward kernel among them; the chunk loop's count doubles (the counter sees the difference)."""
@@ -203,11 +213,14 @@ def test_whole_sequence_falls_back_with_reason():
 
 
 def test_saved_bytes_count_the_checkpoints():
-    """Bytes kept for backward grow with the chunks' states: doubling T doubles them (up to
-    the final state), and a state entry is 2 matrices x [M; S] x d x h x 4 bytes."""
+    """Bytes kept for backward grow with the kept states: one more chunk adds a state entry of
+    2 matrices x [M; S] x d x h x 4 bytes and its inputs; a stride of 4 keeps a quarter of them."""
     one = saved_bytes(1, 1, 64, 64, 64, 256)
     two = saved_bytes(1, 1, 128, 64, 64, 256)
-    assert two - one == 2 * 2 * 64 * 256 * 4 + 3 * 64 * 64 * 2 + 64 * 2 * 4 + 16
+    entry, inputs_per_chunk = 2 * 2 * 64 * 256 * 4, 3 * 64 * 64 * 2 + 64 * 2 * 4 + 16
+    assert two - one == entry + inputs_per_chunk
+    every, strided = saved_bytes(1, 1, 4096, 64, 64, 256), saved_bytes(1, 1, 4096, 64, 64, 256, checkpoint_every=4)
+    assert every - strided == (65 - 17) * entry
 
 
 def test_bench_script_checks_and_times_on_the_interpreter(capsys):

@@ -77,8 +77,9 @@ Choices where the papers are silent (tested):
   it needs whole chunks.
 - `whole_sequence` runs all whole chunks of a call through `kernels.whole_sequence_memory`:
   one Triton launch forward and one backward per layer whatever T (the chunk loop's launches
-  grow with T), the state entering each chunk kept for the backward, which recomputes each
-  chunk from it (`checkpoint_chunks` and `compiled_chunk_step` do not apply to it). Depth 2,
+  grow with T), the state entering every `checkpoint_chunks`-th chunk (every chunk's at 0)
+  kept for the backward, which recomputes the rest from it (`compiled_chunk_step` does not
+  apply to it). Depth 2,
   float32 state, no `max_update_norm`, a CUDA device (TRITON_INTERPRET=1 on CPU); anything
   else runs the chunk loop after a warning naming why. Off by default until a GPU measures it faster.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
@@ -444,10 +445,11 @@ def sequence_gates(token_weights, decays, rule: UpdateRule):
     return torch.cat([-rule.step_scale * token_weights, -token_weights], -1), mix
 
 
-def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: UpdateRule):
+def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: UpdateRule, checkpoint_every: int = 1):
     """All chunks (inputs (B, H, N, C, ...) as `run_chunks`) through `kernels.whole_sequence_memory`
-    (one forward and one backward launch), or None with a warning naming why it cannot
-    (then the caller runs the chunk loop). Returns (reads (B, H, N, C, d), final stacked state)."""
+    (one forward and one backward launch, the state of every `checkpoint_every`-th chunk kept),
+    or None with a warning naming why it cannot (then the caller runs the chunk loop).
+    Returns (reads (B, H, N, C, d), final stacked state)."""
     token_weights, gates = sequence_gates(*chunk_gates(theta, log_eta, log_keep, rule.gates), rule)
     reason = "max_update_norm > 0 (the kernels have no surprise bound)" if rule.max_update_norm else \
         whole_sequence_refusal(stacked, q, k, v, token_weights, gates, rule.ns_steps)
@@ -456,7 +458,7 @@ def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: Upda
             warnings.warn(f"whole-sequence memory path not taken, chunk loop instead: {reason}", stacklevel=3)
         return None
     y, state = whole_sequence_memory(stacked, q, k, v, token_weights, gates, rule.ns_steps, rule.step_scale,
-                                     rule.residual, rule.read_after_write)
+                                     rule.residual, rule.read_after_write, checkpoint_every)
     return y.to(q.dtype), tuple(s.to(t.dtype) for s, t in zip(state, stacked))
 
 
@@ -480,7 +482,8 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     whole = None
     if rule.whole_sequence and chunks:
         whole = whole_sequence_chunks(stacked, *(t[:, :, :full].unflatten(2, (-1, chunk))
-                                                 for t in (q, k, v, theta, log_eta, log_keep)), rule)
+                                                 for t in (q, k, v, theta, log_eta, log_keep)), rule,
+                                      max(checkpoint_chunks, 1))
     step = compiled_chunk_step() if compiled else chunk_step
     group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else max(chunks, 1)
     # groups of G chunks as views (split: one concatenation of their gradients in backward)
