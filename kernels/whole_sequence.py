@@ -274,3 +274,31 @@ def saved_bytes(batch: int, heads: int, seq_len: int, chunk: int, head_dim: int,
     state = (math.ceil(chunks / checkpoint_every) + 1) * 2 * 2 * head_dim * hidden * 4
     inputs = 3 * seq_len * head_dim * input_bytes + seq_len * 2 * 4 + chunks * 4 * 4
     return batch * heads * (state + inputs)
+
+
+def kernel_cost(batch: int, heads: int, chunks: int, chunk: int, dim: int, hidden: int, ns_steps: int,
+                checkpoint_every: int, backward: bool) -> tuple[float, float]:
+    """(FLOPs, bytes) of one launch of the forward (or backward) kernel, counted from the
+    kernels' matmuls (u = chunk x dim x hidden; one (C, d) x (d, h) product is 2u FLOPs; K token
+    weightings, 2 for the mix rule, 1 for Newton-Schulz):
+    forward per chunk (12 + 4K) u (the key error, the read, the write's gradient sums) plus
+    2 ns (4 d^2 h + 2 d^3) (Newton-Schulz on both matrices); backward per chunk (34 + 10K) u plus
+    2 ((ns - 1) (4 d^2 h + 2 d^3) + ns (8 d^2 h + 6 d^3)) (the iterates recomputed, then
+    differentiated) plus the recomputed forward of the (G - 1) / G chunks between checkpoints.
+    Bytes (an approximation): per chunk the forward reads the state 1.5 times and writes it
+    once (40 d h, fp32), reads q, k, v and writes y (16 C d), and moves 24 d h per
+    Newton-Schulz step; the backward three times the forward's."""
+    u = chunk * dim * hidden
+    weightings = 1 if ns_steps else 2
+    newton_schulz = 2 * ns_steps * (4 * dim * dim * hidden + 2 * dim ** 3)
+    forward = (12 + 4 * weightings) * u + newton_schulz
+    forward_bytes = 40 * dim * hidden + 16 * chunk * dim + ns_steps * 24 * dim * hidden
+    if backward:
+        ns_backward = 2 * (max(ns_steps - 1, 0) * (4 * dim * dim * hidden + 2 * dim ** 3)
+                           + ns_steps * (8 * dim * dim * hidden + 6 * dim ** 3))
+        recompute = (forward - 4 * u) * (checkpoint_every - 1) / checkpoint_every
+        flops, nbytes = (34 + 10 * weightings) * u + ns_backward + recompute, 3 * forward_bytes
+    else:
+        flops, nbytes = forward, forward_bytes
+    programs = batch * heads * chunks
+    return float(programs * flops), float(programs * nbytes)

@@ -9,7 +9,7 @@ a CPU run the script with TRITON_INTERPRET=1; where the kernels cannot run, the 
 stops the script with its reason instead of timing the chunk loop).
 
     python scripts/bench_compile.py [--variant mac] [--lengths 1024,4096] [--backends eager,aot_eager]
-        [--modes block,regional,whole_sequence] [--chunk 64] [--checkpoint-chunks 4]
+        [--modes block,regional,whole_sequence] [--chunk 64] [--checkpoint-chunks 4] [--device meta]
 
 The paper flavors (torchtitan_ext/families/titans.py) write chunks of 64 tokens and recompute
 groups of 4 chunks in backward. torch.compile unrolls the memory's chunk loop into the block's
@@ -23,6 +23,9 @@ time differs); in "regional" mode the chunk steps compile with Inductor whatever
 on-disk cache is not cleared, so a repeated command reuses generated code) and reports
 the first forward + backward (compilation included), the second one, the same block
 uncompiled, and the largest difference between the compiled and uncompiled outputs.
+`--device meta` (backends eager / aot_eager; modes block, whole_sequence) runs nothing but the tracing: the first step is
+the compile time alone (dynamo + AOTAutograd, with the whole-sequence kernels' meta
+implementations), free of the interpreter's run time on a CPU; there is nothing to compare.
 """
 
 from __future__ import annotations
@@ -76,24 +79,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="block,regional", help="block, regional, whole_sequence")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--checkpoint-chunks", type=int, default=4)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "meta"))
     args = parser.parse_args(argv)
+    if args.device == "meta" and ("inductor" in args.backends or "regional" in args.modes):
+        parser.error("--device meta traces only: choose --backends eager and/or aot_eager, and modes block and/or "
+                     "whole_sequence (regional compiles the chunk steps with Inductor)")
     warnings.filterwarnings("error", message="whole-sequence memory path not taken")
     torch.manual_seed(0)
-    model = one_block_lm(args.variant, args.chunk, args.checkpoint_chunks)
+    with torch.device(args.device):
+        model = one_block_lm(args.variant, args.chunk, args.checkpoint_chunks)
     print(f"Titans {args.variant} block, width {WIDTH}, {HEADS} heads, chunk {args.chunk}, checkpoint_chunks "
           f"{args.checkpoint_chunks}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'T':>6} {'chunks':>6} {'mode':>8} {'backend':>10} {'first step s':>13} {'second s':>9} "
           f"{'uncompiled s':>13} {'max |diff|':>11}")
     for length in (int(n) for n in args.lengths.split(",")):
-        x = torch.randn(1, length, WIDTH, requires_grad=True)
+        x = torch.randn(1, length, WIDTH, requires_grad=True, device=args.device)
         uncompiled, want = timed_step(model.layers["0"], x)
         for mode in args.modes.split(","):
             for backend in args.backends.split(","):
                 torch._dynamo.reset()
                 compiled = compiled_block(model, mode, backend)
                 (first, got), (second, _) = timed_step(compiled, x), timed_step(compiled, x)
+                diff = "-" if args.device == "meta" else f"{(got - want).abs().max().item():.1e}"
                 print(f"{length:>6} {length // args.chunk:>6} {mode:>8} {backend:>10} {first:>13.1f} {second:>9.2f} "
-                      f"{uncompiled:>13.2f} {(got - want).abs().max().item():>11.1e}", flush=True)
+                      f"{uncompiled:>13.2f} {diff:>11}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where one training step's time goes on an H100, predicted on a CPU (torchtitan_ext/step_cost.py).
 
     python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2] [--compiled]
-        [--tf32] [--launch-floor-us 5] [--sync-us 20] [--top 12]
+        [--whole-sequence] [--tf32] [--launch-floor-us 5] [--sync-us 20] [--top 12]
 
 Records one bench_models.py training step (bf16 autocast, fp32 parameters, cross-entropy, fused
 AdamW) of CONFIG (<family>[_<variant>]_<flavor>, e.g. transformer_400m, mela_400m; or
@@ -24,6 +24,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="fitted to the model as bench_models.py does")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--compiled", action="store_true", help="the crude compile model (fused elementwise runs)")
+    p.add_argument("--whole-sequence", action="store_true", help="every neural memory on the whole-sequence kernels "
+                   "(kernels/whole_sequence.py: one launch of batch x heads programs per layer and direction)")
     p.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (default: fp32 peak, "
                    "torch's allow_tf32=False, as bench_models.py runs)")
     p.add_argument("--launch-floor-us", type=float, default=LAUNCH_FLOOR_S * 1e6, help="cost added per launch")
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     hardware = Hardware(tf32=args.tf32, launch_s=args.launch_floor_us * 1e-6, sync_s=args.sync_us * 1e-6)
     try:
         prediction = predict(args.config, seq_len=args.seq_len, batch=args.batch, compiled=args.compiled,
-                             hardware=hardware)
+                             hardware=hardware, whole_sequence=args.whole_sequence)
     except ValueError as e:
         print(f"step_cost: {e}", file=sys.stderr)
         return 2

@@ -176,3 +176,33 @@ def test_script_prints_the_tables(capsys):
                  "layers.0.memory", "top ops", "top model functions", "total"):
         assert text in out
     assert load_script("step_cost").main(["--config", "nope_400m"]) == 2
+
+
+def test_whole_sequence_kernels_are_costed_once_per_call():
+    """`whole_sequence=True` (titans_mag: one memory call per layer): each memory layer runs one
+    forward and one backward whole-sequence launch, booked as memory update with the FLOPs of
+    `kernels.whole_sequence.kernel_cost` at the occupancy of batch x heads programs, and the
+    layer's launches do not grow with T where the chunk loop's do."""
+    from kernels.whole_sequence import kernel_cost
+
+    short, long = (predict("titans_mag_debug", seq_len=t, batch=2, whole_sequence=True).cost for t in (128, 256))
+    loop_short, loop_long = (predict("titans_mag_debug", seq_len=t, batch=2).cost for t in (128, 256))
+    fwd = short.ops[("memory update", "whole_sequence_fwd")]
+    bwd = short.ops[("memory update", "whole_sequence_bwd")]
+    layers = len(short.memory_layers)
+    assert fwd.launches == bwd.launches == layers
+    assert sum(short.memory_layers["layers.0.memory"]) == sum(long.memory_layers["layers.0.memory"])
+    assert sum(loop_long.memory_layers["layers.0.memory"]) > 1.7 * sum(loop_short.memory_layers["layers.0.memory"])
+    with torch.device("meta"):
+        from torchtitan_ext.plain_step import build
+
+        _, cfg, _ = build("titans_mag", "debug")
+    m = cfg.memory.filled_by("titans", dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.dim // cfg.n_heads)
+    hidden = m.expansion * m.head_dim
+    flops, _ = kernel_cost(2, m.n_heads, 128 // m.chunk_size, m.chunk_size, m.head_dim, hidden, 0,
+                           max(m.checkpoint_chunks, 1), backward=False)
+    assert fwd.flops == pytest.approx(layers * flops)
+    hw = short.hardware
+    assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads) - 1e-12
+    with pytest.raises(ValueError, match="no neural memory"):
+        predict("transformer_debug", seq_len=64, whole_sequence=True)

@@ -113,6 +113,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
+from kernels.whole_sequence import kernel_cost
+from models.memory.neural_memory import use_whole_sequence
 from torchtitan_ext import plain_step
 from torchtitan_ext.families import family_and_overrides
 
@@ -122,6 +124,8 @@ FP32_PEAK = 67e12  # fp32 without tensor cores (torch's matmul default allow_tf3
 TF32_PEAK = 494e12  # dense TF32 tensor-core FLOP/s (allow_tf32=True)
 FP64_PEAK = 67e12  # fp64 tensor cores
 HBM_BYTES_PER_S = 3.35e12
+SMS = 132  # streaming multiprocessors (one whole-sequence program per (batch, head) runs on one)
+TF32X3_SLOWDOWN = 3  # kernels' fp32 dots in "tf32x3": three TF32 products each
 LAUNCH_FLOOR_S = 5e-6  # eager per-launch floor (the kernel launch and the op's dispatch)
 HOST_SYNC_S = 20e-6  # one device-to-host round trip (the queue drains)
 MULTI_TENSOR_LIST = 36  # tensors per launch of a multi-tensor op (torch's depth-4 lists)
@@ -180,6 +184,12 @@ class Hardware:
     launch_s: float = LAUNCH_FLOOR_S
     sync_s: float = HOST_SYNC_S
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
+    sms: int = SMS
+
+    def program_flops(self, programs: int) -> float:
+        """The FLOP/s of a kernel of `programs` one-SM programs of tf32x3 dots (the
+        whole-sequence kernels): the TF32 peak / 3, times the share of the SMs it occupies."""
+        return self.tf32_flops / TF32X3_SLOWDOWN * min(programs, self.sms) / self.sms
 
     def peak(self, dtype: torch.dtype | None) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -294,6 +304,8 @@ def _op_kind(func) -> str:
         return "matmul"
     if name.startswith("_foreach_") or name.startswith("_fused_"):
         return "multi"
+    if func.namespace == "memory_kernels":
+        return "memory_kernel"
     return "kernel"
 
 
@@ -312,6 +324,18 @@ def attention_flops(func, args, kwargs, density: float = 1.0) -> float:
     per = b * h * lq * k.shape[-2] * d
     flops = (10 if "backward" in func.overloadpacket.__name__ else 4) * per
     return flops * (0.5 if bound.get("is_causal") else 1.0) * density
+
+
+def whole_sequence_kernel_cost(func, args, kwargs) -> tuple[float, float, int]:
+    """(FLOPs, bytes, programs) of a whole-sequence kernel launch (`kernels.whole_sequence.kernel_cost`),
+    from the custom op's named arguments."""
+    bound = _bound_args(func, args, kwargs)
+    q, first = bound["q"], bound["s1"] if "s1" in bound else bound["ck1"]
+    batch, heads, chunks, chunk, dim = q.shape
+    backward = func.overloadpacket.__name__.endswith("bwd")
+    flops, nbytes = kernel_cost(batch, heads, chunks, chunk, dim, first.shape[-1], bound["ns_steps"],
+                                bound["checkpoint_every"], backward)
+    return flops, nbytes, batch * heads
 
 
 def matmul_flops(func, args, kwargs, out) -> float:
@@ -540,6 +564,11 @@ class _Recorder:
             flops = matmul_flops(func, args, kwargs, out)
             dtype = next((t.dtype for t in inputs.values() if t.is_floating_point()), None)
         launches = 1
+        if kind == "memory_kernel":  # kernels/whole_sequence.py: one launch of (batch x heads) programs
+            flops, nbytes, programs = whole_sequence_kernel_cost(func, args, kwargs)
+            compute = max(flops / hw.program_flops(programs), nbytes / hw.bytes_per_s)
+            self._book(func.overloadpacket.__name__, cls, tag, Cost(1, flops, nbytes, compute, hw.launch_s), False)
+            return
         if kind == "multi":
             lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
             n = max((len(a) for a in lists), default=1)
@@ -835,13 +864,15 @@ class Prediction:
 
 
 def predict(config: str, *, seq_len: int = 4096, batch: int = 2, compiled: bool = False,
-            hardware: Hardware | None = None) -> Prediction:
+            hardware: Hardware | None = None, whole_sequence: bool = False) -> Prediction:
     """Record one bench_models.py training step of CONFIG (e.g. "titans_mac_400m") on meta
-    and cost it on an H100."""
+    and cost it on an H100 (`whole_sequence`: every neural memory on the whole-sequence kernels)."""
     name, flavor = parse_config(config)
     family = family_and_overrides(name)[0]
     with torch.device("meta"):
         model, cfg, flops_per_token = plain_step.build(name, flavor)
+    if whole_sequence and not use_whole_sequence(model):
+        raise ValueError(f"--whole-sequence: {config} has no neural memory")
     seq_len = plain_step.fitted_length(cfg, seq_len)
     hardware = hardware or Hardware()
     data = plain_step.inputs(family.name, batch, seq_len, cfg.vocab_size, "meta")
