@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from models.lms.titans import TitansBlock, TitansConfig, TitansLM, VARIANTS
-from models.memory.neural_memory import NeuralMemoryConfig
+from models.memory.neural_memory import NeuralMemoryConfig, use_whole_sequence
 from torchtitan_ext.families.titans import COMPILED_REGIONS, compile_regions
 
 
@@ -56,6 +56,23 @@ def test_regionally_compiled_block_matches_eager(variant):
     compile_regions(model, "aot_eager")
     compiled_regions = [name for name in COMPILED_REGIONS if getattr(getattr(block, name, None), "_compiled_call_impl", None)]
     assert block.memory.cfg.compiled_chunk_step and compiled_regions == [n for n in COMPILED_REGIONS if hasattr(block, n)]
+    compiled = outputs_and_grads(block, x, block)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * max(1.0, a.abs().max().item()))
+
+
+@pytest.mark.parametrize("variant", ["mac"])  # MAC: segments, retrieve and write in one graph (the others are simpler)
+def test_whole_sequence_block_compiles_whole_and_matches_eager(variant):
+    """With the memory on the whole-sequence kernels (TRITON_INTERPRET=1 on CPU), `compile_regions`
+    compiles the block whole (fullgraph, the kernels opaque custom ops; aot_eager here) and it
+    gives the eager chunk loop's outputs and gradients."""
+    torch.manual_seed(0)
+    model, x = TitansLM(small_config(variant)), torch.randn(2, 16, 16, requires_grad=True)
+    block = model.layers["0"]
+    eager = outputs_and_grads(block, x, block)
+    assert use_whole_sequence(model) == 1
+    compile_regions(model, "aot_eager")
+    assert block._compiled_call_impl is not None and not block.memory.cfg.compiled_chunk_step
     compiled = outputs_and_grads(block, x, block)
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * max(1.0, a.abs().max().item()))

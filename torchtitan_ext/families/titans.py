@@ -69,8 +69,17 @@ def compile_regions(model, backend: str) -> None:
     (`fullgraph=True`), and the memory runs its chunk loop eagerly with every chunk step
     compiled (`NeuralMemoryConfig.compiled_chunk_step`: one graph per shape, two with a
     non-learned initial state), so compile time does not depend on T. The memory's
-    projections, conv and gates stay eager."""
+    projections, conv and gates stay eager.
+
+    A block whose memory runs on the whole-sequence kernels (`NeuralMemoryConfig.whole_sequence`)
+    is compiled whole instead (`fullgraph=True`, as torchtitan would): the kernels are custom ops
+    the graph keeps opaque, so no chunk loop unrolls, and the memory's projections, gates and
+    read fuse with the rest (tracing MAG's block on the meta device: constant in T; MAC's still
+    grows with its segments, docs/benchmarks.md)."""
     for block in model.layers.values():
+        if block.memory.cfg.whole_sequence:
+            block.compile(backend=backend, fullgraph=True)
+            continue
         block.memory.cfg = dataclasses.replace(block.memory.cfg, compiled_chunk_step=True)
         for name in COMPILED_REGIONS:
             region = getattr(block, name, None)
