@@ -65,7 +65,8 @@ of consecutive non-matmul ops (between two matmul or attention ops, in execution
 one fused kernel: one launch, moving the bytes of the largest op of the run. Matmuls keep
 their cost. The regions are the whole model (forward and backward) for a family compiled
 whole, else the family's own regions (Titans: each block's attention, gate and SwiGLU, and the
-memory's chunk step). Compiled flex attention is one fused kernel (costed as flash attention
+memory's chunk step; with `whole_sequence` the whole model, as `compile_regions` then compiles
+each block whole). Compiled flex attention is one fused kernel (costed as flash attention
 whose FLOPs are scaled by the mask's density). Compile removes no host overhead beyond the
 fused launches (bench_models.py compiles without CUDA graphs).
 
@@ -877,7 +878,7 @@ def predict(config: str, *, seq_len: int = 4096, batch: int = 2, compiled: bool 
     hardware = hardware or Hardware()
     data = plain_step.inputs(family.name, batch, seq_len, cfg.vocab_size, "meta")
     compile_modules, compile_functions = None, frozenset()
-    if family.compile_regions is not None:
+    if family.compile_regions is not None and not whole_sequence:  # whole-sequence blocks compile whole
         module = sys.modules[family.compile_regions.__module__]
         compile_modules = tuple(getattr(module, "COMPILED_REGIONS", ()))
         compile_functions = CHUNK_STEP_FUNCTIONS
