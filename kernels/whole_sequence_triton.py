@@ -76,7 +76,7 @@ def _mlp(x, w1_ptr, w2_ptr, D, HD, rd, rh, BH: tl.constexpr):
     for h0 in range(0, HD, BH):
         w1 = _load(w1_ptr + h0, rd, rh, D, HD - h0, HD, 1)
         w2 = _load(w2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1)
-        act, _, _ = _silu_parts(_dot(x, w1))
+        act, d1, d2 = _silu_parts(_dot(x, w1))
         out += _dot(act, w2)
     return out
 
@@ -89,7 +89,7 @@ def _read_backward(q, dy, w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, D, HD, rd, rh, BH: t
     for h0 in range(0, HD, BH):
         w1 = _load(w1_ptr + h0, rd, rh, D, HD - h0, HD, 1)
         w2 = _load(w2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1)
-        act, d1, _ = _silu_parts(_dot(q, w1))
+        act, d1, d2 = _silu_parts(_dot(q, w1))
         d_pre = _dot(dy, tl.trans(w2)) * d1
         dq += _dot(d_pre, tl.trans(w1))
         dw1 = _load(dw1_ptr + h0, rd, rh, D, HD - h0, HD, 1) + _dot(tl.trans(q), d_pre)
@@ -191,6 +191,31 @@ def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, 
 
 
 @triton.jit
+def _state_block(old1, old2, h0, D, HD, rd, rh):
+    """Hidden block h0 of the state [M; S] at old1 (W_1: 2 x (D, HD)) and old2 (W_2: 2 x (HD, D)):
+    (M_1 (BD, BH), S_1, M_2 (BH, BD), S_2)."""
+    w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
+    s1 = _load(old1 + D * HD + h0, rd, rh, D, HD - h0, HD, 1)
+    w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+    s2 = _load(old2 + HD * D + h0 * D, rh, rd, HD - h0, D, D, 1)
+    return w1, s1, w2, s2
+
+
+@triton.jit
+def _mix_row(gates_ptr, row):
+    """Row `row` of the mix rule's gates: m00, m01, m10, m11."""
+    base = gates_ptr + row * 4
+    return (tl.load(base).to(tl.float32), tl.load(base + 1).to(tl.float32), tl.load(base + 2).to(tl.float32),
+            tl.load(base + 3).to(tl.float32))
+
+
+@triton.jit
+def _ns_row(gates_ptr, row):
+    """Row `row` of the Newton-Schulz rule's gates: eta, alpha."""
+    return tl.load(gates_ptr + row * 2).to(tl.float32), tl.load(gates_ptr + row * 2 + 1).to(tl.float32)
+
+
+@triton.jit
 def _key_error(k, v, w1_ptr, w2_ptr, D, HD, rd, rh, RESIDUAL: tl.constexpr, BH: tl.constexpr):
     """delta = M(k) - v (BC, BD), the error the write back-propagates."""
     out = _mlp(k, w1_ptr, w2_ptr, D, HD, rd, rh, BH)
@@ -215,19 +240,12 @@ def _write_chunk(q, k, v, tw0, tw1, gates_ptr, gate_row, old1, old2, new1, new2,
     if READ and not READ_AFTER_WRITE:
         y = _mlp(q, old1, old2, D, HD, rd, rh, BH)
     if NS_STEPS > 0:
-        eta = tl.load(gates_ptr + gate_row * 2).to(tl.float32)
-        alpha = tl.load(gates_ptr + gate_row * 2 + 1).to(tl.float32)
+        eta, alpha = _ns_row(gates_ptr, gate_row)
     else:
-        m00 = tl.load(gates_ptr + gate_row * 4).to(tl.float32)
-        m01 = tl.load(gates_ptr + gate_row * 4 + 1).to(tl.float32)
-        m10 = tl.load(gates_ptr + gate_row * 4 + 2).to(tl.float32)
-        m11 = tl.load(gates_ptr + gate_row * 4 + 3).to(tl.float32)
+        m00, m01, m10, m11 = _mix_row(gates_ptr, gate_row)
     for h0 in range(0, HD, BH):
-        w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
-        s1 = _load(old1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
-        w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-        s2 = _load(old2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-        act, d1, _ = _silu_parts(_dot(k, w1))
+        w1, s1, w2, s2 = _state_block(old1, old2, h0, D, HD, rd, rh)
+        act, d1, d2 = _silu_parts(_dot(k, w1))
         err = _dot(delta, tl.trans(w2)) * d1  # the error back through W_2 and the SiLU, (BC, BH)
         g1_0 = _dot(tl.trans(k * tw0[:, None]), err)
         g2_0 = _dot(tl.trans(act * tw0[:, None]), delta)
@@ -356,8 +374,7 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
             dq += _read_backward(q, dy, new1, new2, ds1, ds2, D, HD, rd, rh, BH)
             tl.debug_barrier()
         if NS_STEPS > 0:
-            eta = tl.load(gates_ptr + (pid * N + c) * 2).to(tl.float32)
-            alpha = tl.load(gates_ptr + (pid * N + c) * 2 + 1).to(tl.float32)
+            eta, alpha = _ns_row(gates_ptr, pid * N + c)
             d_eta = 0.0
             d_alpha = 0.0
             _ns_backward(new1 + size1, ds1, ds1 + size1, HD, 1, iter_ptr + pid * 2 * NS_STEPS * size1,
@@ -366,10 +383,7 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
                          ybuf_ptr + (pid * 2 + 1) * size1, step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF,
                          BD, BH)
         else:
-            m00 = tl.load(gates_ptr + (pid * N + c) * 4).to(tl.float32)
-            m01 = tl.load(gates_ptr + (pid * N + c) * 4 + 1).to(tl.float32)
-            m10 = tl.load(gates_ptr + (pid * N + c) * 4 + 2).to(tl.float32)
-            m11 = tl.load(gates_ptr + (pid * N + c) * 4 + 3).to(tl.float32)
+            m00, m01, m10, m11 = _mix_row(gates_ptr, pid * N + c)
             d00 = 0.0
             d01 = 0.0
             d10 = 0.0
@@ -383,7 +397,7 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
         for h0 in range(0, HD, BH):
             w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
             w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-            act, d1, _ = _silu_parts(_dot(k, w1))
+            act, d1, d2 = _silu_parts(_dot(k, w1))
             err_in = _dot(delta, tl.trans(w2))
             err = err_in * d1
             if NS_STEPS > 0:
@@ -412,10 +426,7 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
             dk += d_delta
         # pass 2: the weights' gradients, written with the state's into the gradient buffers
         for h0 in range(0, HD, BH):
-            w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
-            s1 = _load(old1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
-            w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-            s2 = _load(old2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
+            w1, s1, w2, s2 = _state_block(old1, old2, h0, D, HD, rd, rh)
             act, d1, d2 = _silu_parts(_dot(k, w1))
             err_in = _dot(delta, tl.trans(w2))
             err = err_in * d1
@@ -441,7 +452,7 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
             dw1 = _dot(tl.trans(k), d_pre)
             dw2 = _dot(tl.trans(d_err_in), delta) + _dot(tl.trans(act), d_delta)
             if not READ_AFTER_WRITE:  # y = M(q), the state before the write
-                act_q, d1_q, _ = _silu_parts(_dot(q, w1))
+                act_q, d1_q, d2_q = _silu_parts(_dot(q, w1))
                 d_pre_q = _dot(dy, tl.trans(w2)) * d1_q
                 dq += _dot(d_pre_q, tl.trans(w1))
                 dw1 += _dot(tl.trans(q), d_pre_q)
