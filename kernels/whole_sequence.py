@@ -48,6 +48,10 @@ except ImportError:  # the torch reference needs no triton (a Hugging Face expor
     triton = _kernels = None
 
 HIDDEN_BLOCK = 64  # the kernels walk the hidden width in blocks of this many columns
+# The kernels' BF16 switch for bf16 products: 1 on a GPU; under TRITON_INTERPRET=1, 2 (operands
+# rounded to bf16, products in fp32: the same values), because Triton 3.9's interpreter returns
+# garbage for a bf16 dot (max error 2e10 on a 16 x 16 product).
+BF16_ON_DEVICE, BF16_INTERPRETED = 1, 2
 MAX_TILE = 128  # head_dim and chunk: whole tiles of one program (padded to a power of two)
 
 
@@ -157,16 +161,17 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().flatten(0, 1)
 
 
-def _launch_options(q, s1, ns_steps):
+def _launch_options(q, s1, ns_steps, bf16_products):
     a, b, c = MUON_COEFFICIENTS
-    return dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c,
-                **_blocks(q.shape[-1], q.shape[-2], s1.shape[-1]))
+    bf16 = 0 if not bf16_products else BF16_INTERPRETED if os.environ.get("TRITON_INTERPRET") == "1" else BF16_ON_DEVICE
+    return dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c, BF16=bf16,
+                num_stages=1, **_blocks(q.shape[-1], q.shape[-2], s1.shape[-1]))
 
 
 @torch.library.custom_op("memory_kernels::whole_sequence_fwd", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
                 s1: torch.Tensor, s2: torch.Tensor, ns_steps: int, step_scale: float, residual: bool,
-                read_after_write: bool, checkpoint_every: int
+                read_after_write: bool, checkpoint_every: int, bf16_products: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (B, H, N, C, d), final s1, final s2, ck1 (B*H, NG + 1, 2, d, h), ck2 (B*H, NG + 1, 2, h, d)),
     NG = ceil(N / checkpoint_every), all fp32: one launch (the final state is copied out of the
@@ -180,12 +185,14 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights
     _kernels.whole_sequence_fwd[(batch * heads,)](
         _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2,
         *_group_buffers(q, hidden, checkpoint_every), y, scratch, float(step_scale), chunks, checkpoint_every, chunk,
-        dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, s1, ns_steps))
+        dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write,
+        **_launch_options(q, s1, ns_steps, bf16_products))
     return y, ck1[:, -1].view(s1.shape).clone(), ck2[:, -1].view(s2.shape).clone(), ck1, ck2
 
 
 @_forward_op.register_fake
-def _(q, k, v, token_weights, gates, s1, s2, ns_steps, step_scale, residual, read_after_write, checkpoint_every):
+def _(q, k, v, token_weights, gates, s1, s2, ns_steps, step_scale, residual, read_after_write, checkpoint_every,
+      bf16_products):
     return (q.new_empty(q.shape, dtype=torch.float32), s1.new_empty(s1.shape, dtype=torch.float32),
             s2.new_empty(s2.shape, dtype=torch.float32), *_checkpoints(q, s1.shape[-1], q.shape[2], checkpoint_every))
 
@@ -193,8 +200,8 @@ def _(q, k, v, token_weights, gates, s1, s2, ns_steps, step_scale, residual, rea
 @torch.library.custom_op("memory_kernels::whole_sequence_bwd", mutates_args=())
 def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
                  ck1: torch.Tensor, ck2: torch.Tensor, dy: torch.Tensor, dn1: torch.Tensor, dn2: torch.Tensor,
-                 ns_steps: int, step_scale: float, residual: bool, read_after_write: bool, checkpoint_every: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 ns_steps: int, step_scale: float, residual: bool, read_after_write: bool, checkpoint_every: int,
+                 bf16_products: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
     """(dq, dk, dv, d token_weights, d gates, d s1, d s2), all fp32: one launch."""
     batch, heads, chunks, chunk, dim = q.shape
@@ -210,13 +217,13 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weight
         _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2,
         *_group_buffers(q, hidden, checkpoint_every), _flat(dy.to(torch.float32)), ds1, ds2, dq, dk, dv, dtw, dgates,
         iterates, ybuf, float(step_scale), chunks, checkpoint_every, chunk, dim, hidden,
-        RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, ck1, ns_steps))
+        RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, ck1, ns_steps, bf16_products))
     return dq, dk, dv, dtw, dgates, ds1.view(dn1.shape), ds2.view(dn2.shape)
 
 
 @_backward_op.register_fake
 def _(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2, ns_steps, step_scale, residual, read_after_write,
-      checkpoint_every):
+      checkpoint_every, bf16_products):
     fp32 = dict(dtype=torch.float32)
     return (q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32),
             q.new_empty(token_weights.shape, **fp32), q.new_empty(gates.shape, **fp32),
@@ -243,17 +250,20 @@ def _backward(ctx, dy, dn1, dn2, _dck1, _dck2):
     dq, dk, dv, dtw, dgates, ds1, ds2 = _backward_op(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2,
                                                      *ctx.options)
     cast = [g.to(t.dtype) for g, t in zip((dq, dk, dv, dtw, dgates), (q, k, v, token_weights, gates))]
-    return (*cast, ds1, ds2, None, None, None, None, None)
+    return (*cast, ds1, ds2, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("memory_kernels::whole_sequence_fwd", _backward, setup_context=_setup_context)
 
 
 def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 0, step_scale: float = 1.0,
-                          residual: bool = False, read_after_write: bool = False, checkpoint_every: int = 1):
+                          residual: bool = False, read_after_write: bool = False, checkpoint_every: int = 1,
+                          bf16_products: bool = False):
     """The Triton path of the module docstring's rule: (y (B, H, N, C, d) fp32, final state
     (two (B, H, 2, in, out) fp32)); the state entering every `checkpoint_every`-th chunk is kept
-    for the backward. ValueError naming the reason where it cannot run (`refusal`)."""
+    for the backward; `bf16_products`: the fast-weight products from bf16 operands (as bf16
+    autocast runs the chunk loop's), else fp32 exactly. ValueError naming the reason where it
+    cannot run (`refusal`)."""
     reason = refusal(state, q, k, v, token_weights, gates, ns_steps)
     if reason is None and checkpoint_every < 1:
         reason = f"checkpoint_every {checkpoint_every} (must be >= 1)"
@@ -261,7 +271,7 @@ def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 
         raise ValueError(f"whole_sequence_memory: {reason}; use the chunked path")
     flat_gates = gates if ns_steps else gates.flatten(-2)
     y, s1, s2, _, _ = _forward_op(q, k, v, token_weights, flat_gates, state[0], state[1], ns_steps, float(step_scale),
-                                  residual, read_after_write, checkpoint_every)
+                                  residual, read_after_write, checkpoint_every, bf16_products)
     return y, (s1, s2)
 
 

@@ -23,6 +23,14 @@ Newton-Schulz (NS_STEPS > 0) works on the wide view (D, HD) of each matrix (W_2 
 transposed through its strides: NS(X^T) = NS(X)^T); its iterates go to a scratch buffer,
 (B*H, 2, NS_STEPS, D, HD) in the backward. A barrier separates every pass that writes a
 buffer from the next pass that reads it (one program is one block of threads).
+
+The products (`_dot`) take bf16 operands with BF16, as bf16 autocast runs the chunk loop's
+fast-weight matmuls (the state, its update and every accumulation stay fp32), else fp32 operands
+on the FMA units ("ieee": fp32 exactly, for checks and fp32 training). Not TF32 (tf32x3): its
+split operands need more shared memory than an H100 block has. Shared memory of each kernel at
+the paper shape, compiled for sm_90 without a GPU (`scripts/compile_kernels.py`), is in
+docs/benchmarks.md; launches use num_stages=1 (the hidden-block loops are not pipelined: the
+pipeline's copies of the state blocks would not fit).
 """
 
 from __future__ import annotations
@@ -30,7 +38,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP32_DOT = tl.constexpr("tf32x3")  # about fp32 accuracy on tensor cores (as kernels/token_step.py)
 
 
 @triton.jit
@@ -47,8 +54,18 @@ def _store(ptr, value, rows, cols, n_rows, n_cols, stride_r, stride_c):
 
 
 @triton.jit
-def _dot(a, b):
-    return tl.dot(a, b, input_precision=FP32_DOT)
+def _dot(a, b, BF16: tl.constexpr):
+    """a @ b accumulated in fp32: BF16 0, fp32 operands on the FMA units ("ieee": fp32 exactly);
+    1, bf16 operands (what bf16 autocast gives the chunk loop's fast-weight matmuls); 2, the
+    same products with the operands rounded to bf16 and multiplied in fp32 (Triton 3.9's
+    interpreter computes bf16 dots wrongly: `whole_sequence.BF16_INTERPRETED`)."""
+    if BF16 == 1:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif BF16 == 2:
+        out = tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
 
 
 @triton.jit
@@ -70,30 +87,30 @@ def _token_weight(tw_ptr, pid, c, N, C, K, m, rc):
 
 
 @triton.jit
-def _mlp(x, w1_ptr, w2_ptr, D, HD, rd, rh, BH: tl.constexpr):
+def _mlp(x, w1_ptr, w2_ptr, D, HD, rd, rh, BH: tl.constexpr, BF16: tl.constexpr):
     """M(x) = silu(x W_1) W_2 for x (BC, BD); W_1 (D, HD), W_2 (HD, D) row-major."""
     out = tl.zeros_like(x)
     for h0 in range(0, HD, BH):
         w1 = _load(w1_ptr + h0, rd, rh, D, HD - h0, HD, 1)
         w2 = _load(w2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1)
-        act, d1, d2 = _silu_parts(_dot(x, w1))
-        out += _dot(act, w2)
+        act, d1, d2 = _silu_parts(_dot(x, w1, BF16))
+        out += _dot(act, w2, BF16)
     return out
 
 
 @triton.jit
-def _read_backward(q, dy, w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, D, HD, rd, rh, BH: tl.constexpr):
+def _read_backward(q, dy, w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, D, HD, rd, rh, BH: tl.constexpr, BF16: tl.constexpr):
     """Backward of y = silu(q W_1) W_2: returns dq (BC, BD) and adds dW_1, dW_2 in place to
     dw1_ptr (D, HD), dw2_ptr (HD, D)."""
     dq = tl.zeros_like(q)
     for h0 in range(0, HD, BH):
         w1 = _load(w1_ptr + h0, rd, rh, D, HD - h0, HD, 1)
         w2 = _load(w2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1)
-        act, d1, d2 = _silu_parts(_dot(q, w1))
-        d_pre = _dot(dy, tl.trans(w2)) * d1
-        dq += _dot(d_pre, tl.trans(w1))
-        dw1 = _load(dw1_ptr + h0, rd, rh, D, HD - h0, HD, 1) + _dot(tl.trans(q), d_pre)
-        dw2 = _load(dw2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1) + _dot(tl.trans(act), dy)
+        act, d1, d2 = _silu_parts(_dot(q, w1, BF16))
+        d_pre = _dot(dy, tl.trans(w2), BF16) * d1
+        dq += _dot(d_pre, tl.trans(w1), BF16)
+        dw1 = _load(dw1_ptr + h0, rd, rh, D, HD - h0, HD, 1) + _dot(tl.trans(q), d_pre, BF16)
+        dw2 = _load(dw2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1) + _dot(tl.trans(act), dy, BF16)
         _store(dw1_ptr + h0, dw1, rd, rh, D, HD - h0, HD, 1)
         _store(dw2_ptr + h0 * D, dw2, rh, rd, HD - h0, D, D, 1)
     return dq
@@ -101,7 +118,7 @@ def _read_backward(q, dy, w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, D, HD, rd, rh, BH: t
 
 @triton.jit
 def _ns_forward(src_ptr, src_sd, src_sh, x_ptr, D, HD, rd, rh, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr,
-                B_COEF: tl.constexpr, C_COEF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+                B_COEF: tl.constexpr, C_COEF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BF16: tl.constexpr):
     """x (D, HD) row-major <- NewtonSchulz(src), src the (D, HD) view src_ptr[d * src_sd + h * src_sh]:
     X = src / (||src||_F + 1e-7), then NS_STEPS of X = a X + (b A + c A^2) X, A = X X^T."""
     squares = 0.0
@@ -117,19 +134,19 @@ def _ns_forward(src_ptr, src_sd, src_sh, x_ptr, D, HD, rd, rh, NS_STEPS: tl.cons
         gram = tl.zeros((BD, BD), dtype=tl.float32)
         for h0 in range(0, HD, BH):
             block = _load(x_ptr + h0, rd, rh, D, HD - h0, HD, 1)
-            gram += _dot(block, tl.trans(block))
-        poly = B_COEF * gram + C_COEF * _dot(gram, gram)
+            gram += _dot(block, tl.trans(block), BF16)
+        poly = B_COEF * gram + C_COEF * _dot(gram, gram, BF16)
         tl.debug_barrier()
         for h0 in range(0, HD, BH):
             block = _load(x_ptr + h0, rd, rh, D, HD - h0, HD, 1)
-            _store(x_ptr + h0, A_COEF * block + _dot(poly, block), rd, rh, D, HD - h0, HD, 1)
+            _store(x_ptr + h0, A_COEF * block + _dot(poly, block, BF16), rd, rh, D, HD - h0, HD, 1)
         tl.debug_barrier()
 
 
 @triton.jit
 def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, HD, rd, rh, NS_STEPS: tl.constexpr,
                  A_COEF: tl.constexpr, B_COEF: tl.constexpr, C_COEF: tl.constexpr, BD: tl.constexpr,
-                 BH: tl.constexpr):
+                 BH: tl.constexpr, BF16: tl.constexpr):
     """Backward of M' = ... + step_scale NS(S') for one matrix, all three the (D, HD) view
     [d * sd + h * sh] of their buffers: S' at s_ptr, dL/dM' at dm_ptr; dL/dS' at ds_ptr is
     replaced in place by dL/dS' + step_scale NS'(S')^T dL/dM'. iter_ptr (NS_STEPS, D, HD) and
@@ -151,11 +168,11 @@ def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, 
         gram = tl.zeros((BD, BD), dtype=tl.float32)
         for h0 in range(0, HD, BH):
             block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
-            gram += _dot(block, tl.trans(block))
-        poly = B_COEF * gram + C_COEF * _dot(gram, gram)
+            gram += _dot(block, tl.trans(block), BF16)
+        poly = B_COEF * gram + C_COEF * _dot(gram, gram, BF16)
         for h0 in range(0, HD, BH):
             block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
-            _store(there + h0, A_COEF * block + _dot(poly, block), rd, rh, D, HD - h0, HD, 1)
+            _store(there + h0, A_COEF * block + _dot(poly, block, BF16), rd, rh, D, HD - h0, HD, 1)
         tl.debug_barrier()
     for step in tl.static_range(NS_STEPS):
         here = iter_ptr + (NS_STEPS - 1 - step) * D * HD
@@ -164,16 +181,16 @@ def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, 
         for h0 in range(0, HD, BH):
             block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
             grad = _load(y_ptr + h0, rd, rh, D, HD - h0, HD, 1)
-            gram += _dot(block, tl.trans(block))
-            d_poly += _dot(grad, tl.trans(block))
-        poly = B_COEF * gram + C_COEF * _dot(gram, gram)
-        d_gram = B_COEF * d_poly + C_COEF * (_dot(d_poly, gram) + _dot(gram, d_poly))
+            gram += _dot(block, tl.trans(block), BF16)
+            d_poly += _dot(grad, tl.trans(block), BF16)
+        poly = B_COEF * gram + C_COEF * _dot(gram, gram, BF16)
+        d_gram = B_COEF * d_poly + C_COEF * (_dot(d_poly, gram, BF16) + _dot(gram, d_poly, BF16))
         d_gram = d_gram + tl.trans(d_gram)
         tl.debug_barrier()
         for h0 in range(0, HD, BH):
             block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
             grad = _load(y_ptr + h0, rd, rh, D, HD - h0, HD, 1)
-            grad = A_COEF * grad + _dot(poly, grad) + _dot(d_gram, block)
+            grad = A_COEF * grad + _dot(poly, grad, BF16) + _dot(d_gram, block, BF16)
             _store(y_ptr + h0, grad, rd, rh, D, HD - h0, HD, 1)
         tl.debug_barrier()
     # X_0 = S' / (n + 1e-7), n = ||S'||_F
@@ -216,9 +233,9 @@ def _ns_row(gates_ptr, row):
 
 
 @triton.jit
-def _key_error(k, v, w1_ptr, w2_ptr, D, HD, rd, rh, RESIDUAL: tl.constexpr, BH: tl.constexpr):
+def _key_error(k, v, w1_ptr, w2_ptr, D, HD, rd, rh, RESIDUAL: tl.constexpr, BH: tl.constexpr, BF16: tl.constexpr):
     """delta = M(k) - v (BC, BD), the error the write back-propagates."""
-    out = _mlp(k, w1_ptr, w2_ptr, D, HD, rd, rh, BH)
+    out = _mlp(k, w1_ptr, w2_ptr, D, HD, rd, rh, BH, BF16)
     if RESIDUAL:
         out += k
     return out - v
@@ -228,41 +245,41 @@ def _key_error(k, v, w1_ptr, w2_ptr, D, HD, rd, rh, RESIDUAL: tl.constexpr, BH: 
 def _write_chunk(q, k, v, tw0, tw1, gates_ptr, gate_row, old1, old2, new1, new2, x1, x2, step_scale, D, HD, rd, rh,
                  NS_STEPS: tl.constexpr, A_COEF: tl.constexpr, B_COEF: tl.constexpr, C_COEF: tl.constexpr,
                  RESIDUAL: tl.constexpr, READ_AFTER_WRITE: tl.constexpr, READ: tl.constexpr, BD: tl.constexpr,
-                 BH: tl.constexpr):
+                 BH: tl.constexpr, BF16: tl.constexpr):
     """One chunk: the state at old1 / old2 ([M; S] of W_1 (2, D, HD) and W_2 (2, HD, D)) written
     to new1 / new2 by the chunk's keys, values, token weights (tw0, tw1) and gates (row
     `gate_row` of gates_ptr: 4 mix entries, or eta and alpha with NS_STEPS > 0). x1, x2
     (D, HD) scratch for Newton-Schulz. Returns the chunk's reads y (BC, BD) when READ."""
     size1 = D * HD
     size2 = HD * D
-    delta = _key_error(k, v, old1, old2, D, HD, rd, rh, RESIDUAL, BH)
+    delta = _key_error(k, v, old1, old2, D, HD, rd, rh, RESIDUAL, BH, BF16)
     y = tl.zeros_like(q)
     if READ and not READ_AFTER_WRITE:
-        y = _mlp(q, old1, old2, D, HD, rd, rh, BH)
+        y = _mlp(q, old1, old2, D, HD, rd, rh, BH, BF16)
     if NS_STEPS > 0:
         eta, alpha = _ns_row(gates_ptr, gate_row)
     else:
         m00, m01, m10, m11 = _mix_row(gates_ptr, gate_row)
     for h0 in range(0, HD, BH):
         w1, s1, w2, s2 = _state_block(old1, old2, h0, D, HD, rd, rh)
-        act, d1, d2 = _silu_parts(_dot(k, w1))
-        err = _dot(delta, tl.trans(w2)) * d1  # the error back through W_2 and the SiLU, (BC, BH)
-        g1_0 = _dot(tl.trans(k * tw0[:, None]), err)
-        g2_0 = _dot(tl.trans(act * tw0[:, None]), delta)
+        act, d1, d2 = _silu_parts(_dot(k, w1, BF16))
+        err = _dot(delta, tl.trans(w2), BF16) * d1  # the error back through W_2 and the SiLU, (BC, BH)
+        g1_0 = _dot(tl.trans(k * tw0[:, None]), err, BF16)
+        g2_0 = _dot(tl.trans(act * tw0[:, None]), delta, BF16)
         if NS_STEPS > 0:  # S' = eta S - G; M' after Newton-Schulz below
             _store(new1 + size1 + h0, eta * s1 - g1_0, rd, rh, D, HD - h0, HD, 1)
             _store(new2 + size2 + h0 * D, eta * s2 - g2_0, rh, rd, HD - h0, D, D, 1)
         else:  # [M'; S'] = mix [M; S] + [G_0; G_1]
-            g1_1 = _dot(tl.trans(k * tw1[:, None]), err)
-            g2_1 = _dot(tl.trans(act * tw1[:, None]), delta)
+            g1_1 = _dot(tl.trans(k * tw1[:, None]), err, BF16)
+            g2_1 = _dot(tl.trans(act * tw1[:, None]), delta, BF16)
             _store(new1 + h0, m00 * w1 + m01 * s1 + g1_0, rd, rh, D, HD - h0, HD, 1)
             _store(new1 + size1 + h0, m10 * w1 + m11 * s1 + g1_1, rd, rh, D, HD - h0, HD, 1)
             _store(new2 + h0 * D, m00 * w2 + m01 * s2 + g2_0, rh, rd, HD - h0, D, D, 1)
             _store(new2 + size2 + h0 * D, m10 * w2 + m11 * s2 + g2_1, rh, rd, HD - h0, D, D, 1)
     tl.debug_barrier()
     if NS_STEPS > 0:  # M' = (1 - alpha) M + step_scale NS(S'), per matrix on its (D, HD) view
-        _ns_forward(new1 + size1, HD, 1, x1, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
-        _ns_forward(new2 + size2, 1, D, x2, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
+        _ns_forward(new1 + size1, HD, 1, x1, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
+        _ns_forward(new2 + size2, 1, D, x2, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
         for h0 in range(0, HD, BH):
             w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
             w2t = _load(old2 + h0 * D, rd, rh, D, HD - h0, 1, D)
@@ -272,7 +289,7 @@ def _write_chunk(q, k, v, tw0, tw1, gates_ptr, gate_row, old1, old2, new1, new2,
             _store(new2 + h0 * D, (1 - alpha) * w2t + step_scale * step2, rd, rh, D, HD - h0, 1, D)
         tl.debug_barrier()
     if READ and READ_AFTER_WRITE:
-        y = _mlp(q, new1, new2, D, HD, rd, rh, BH)
+        y = _mlp(q, new1, new2, D, HD, rd, rh, BH, BF16)
     if RESIDUAL:
         y += q
     return y
@@ -302,7 +319,8 @@ def _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G
 def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, y_ptr, x_ptr,
                        step_scale, N, G, C, D, HD, K: tl.constexpr, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr,
                        B_COEF: tl.constexpr, C_COEF: tl.constexpr, RESIDUAL: tl.constexpr,
-                       READ_AFTER_WRITE: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+                       READ_AFTER_WRITE: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                       BF16: tl.constexpr):
     """One (batch, head) over its N chunks in groups of G. q, k, v (N, C, D); tw (N, C, K);
     gates (N, 4) = the mix [[m00, m01], [m10, m11]] (NS_STEPS 0) or (N, 2) = (eta, alpha);
     ck1 (NG + 1, 2, D, HD), ck2 (NG + 1, 2, HD, D), NG = ceil(N / G), with ck[0] given: writes
@@ -323,7 +341,7 @@ def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
         tw1 = _token_weight(tw_ptr, pid, c, N, C, K, K - 1, rc)
         y = _write_chunk(q, k, v, tw0, tw1, gates_ptr, pid * N + c, old1, old2, new1, new2, x1, x1 + D * HD,
                          step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, RESIDUAL, READ_AFTER_WRITE, True,
-                         BD, BH)
+                         BD, BH, BF16)
         _store(y_ptr + (pid * N + c) * C * D, y, rc, rd, C, D, D, 1)
         tl.debug_barrier()
 
@@ -333,7 +351,7 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
                        ds2_ptr, dq_ptr, dk_ptr, dv_ptr, dtw_ptr, dgates_ptr, iter_ptr, ybuf_ptr, step_scale, N, G, C, D, HD,
                        K: tl.constexpr, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr, B_COEF: tl.constexpr,
                        C_COEF: tl.constexpr, RESIDUAL: tl.constexpr, READ_AFTER_WRITE: tl.constexpr,
-                       BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+                       BC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BF16: tl.constexpr):
     """One (batch, head), groups of G chunks from the last: each group's states are recomputed
     from its checkpoint into seg (as the forward), then its chunks N-1 .. 0 run backward. ds1 (2, D, HD),
     ds2 (2, HD, D) enter as dL/d(final state) and leave as dL/d(initial state); writes dq, dk, dv
@@ -360,7 +378,7 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
                 _write_chunk(r_q, _chunk_rows(k_ptr, pid, r, N, C, D, rc, rd), _chunk_rows(v_ptr, pid, r, N, C, D, rc, rd),
                              _token_weight(tw_ptr, pid, r, N, C, K, 0, rc), _token_weight(tw_ptr, pid, r, N, C, K, K - 1, rc),
                              gates_ptr, pid * N + r, r_old1, r_old2, r_new1, r_new2, x1, x1 + size1, step_scale, D, HD,
-                             rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, RESIDUAL, READ_AFTER_WRITE, False, BD, BH)
+                             rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, RESIDUAL, READ_AFTER_WRITE, False, BD, BH, BF16)
                 tl.debug_barrier()
         old1, old2, new1, new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G, NG, D, HD)
         q = _chunk_rows(q_ptr, pid, c, N, C, D, rc, rd)
@@ -371,24 +389,24 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
         tw1 = _token_weight(tw_ptr, pid, c, N, C, K, K - 1, rc)
         dq = tl.zeros_like(q)
         if READ_AFTER_WRITE:  # y = M'(q): into dL/dM' before anything reads it
-            dq += _read_backward(q, dy, new1, new2, ds1, ds2, D, HD, rd, rh, BH)
+            dq += _read_backward(q, dy, new1, new2, ds1, ds2, D, HD, rd, rh, BH, BF16)
             tl.debug_barrier()
         if NS_STEPS > 0:
             eta, alpha = _ns_row(gates_ptr, pid * N + c)
             d_eta = 0.0
             d_alpha = 0.0
             _ns_backward(new1 + size1, ds1, ds1 + size1, HD, 1, iter_ptr + pid * 2 * NS_STEPS * size1,
-                         ybuf_ptr + pid * 2 * size1, step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH)
+                         ybuf_ptr + pid * 2 * size1, step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
             _ns_backward(new2 + size2, ds2, ds2 + size2, 1, D, iter_ptr + (pid * 2 + 1) * NS_STEPS * size1,
                          ybuf_ptr + (pid * 2 + 1) * size1, step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF,
-                         BD, BH)
+                         BD, BH, BF16)
         else:
             m00, m01, m10, m11 = _mix_row(gates_ptr, pid * N + c)
             d00 = 0.0
             d01 = 0.0
             d10 = 0.0
             d11 = 0.0
-        delta = _key_error(k, v, old1, old2, D, HD, rd, rh, RESIDUAL, BH)
+        delta = _key_error(k, v, old1, old2, D, HD, rd, rh, RESIDUAL, BH, BF16)
         # pass 1: dL/d delta (sums over the hidden width), the token weights' and part of k's gradient
         d_delta = tl.zeros_like(delta)
         dk = tl.zeros_like(k)
@@ -397,8 +415,8 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
         for h0 in range(0, HD, BH):
             w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
             w2 = _load(old2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-            act, d1, d2 = _silu_parts(_dot(k, w1))
-            err_in = _dot(delta, tl.trans(w2))
+            act, d1, d2 = _silu_parts(_dot(k, w1, BF16))
+            err_in = _dot(delta, tl.trans(w2), BF16)
             err = err_in * d1
             if NS_STEPS > 0:
                 gg1_0 = -_load(ds1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
@@ -406,29 +424,29 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
             else:
                 gg1_0 = _load(ds1 + h0, rd, rh, D, HD - h0, HD, 1)
                 gg2_0 = _load(ds2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-            through2 = _dot(act, gg2_0)  # (BC, BD)
-            through1 = _dot(k, gg1_0)  # (BC, BH)
+            through2 = _dot(act, gg2_0, BF16)  # (BC, BD)
+            through1 = _dot(k, gg1_0, BF16)  # (BC, BH)
             d_delta += tw0[:, None] * through2
             dtw0 += tl.sum(through2 * delta, axis=1) + tl.sum(through1 * err, axis=1)
             d_err = tw0[:, None] * through1
-            dk += tw0[:, None] * _dot(err, tl.trans(gg1_0))
+            dk += tw0[:, None] * _dot(err, tl.trans(gg1_0), BF16)
             if K == 2:
                 gg1_1 = _load(ds1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
                 gg2_1 = _load(ds2 + size2 + h0 * D, rh, rd, HD - h0, D, D, 1)
-                through2 = _dot(act, gg2_1)
-                through1 = _dot(k, gg1_1)
+                through2 = _dot(act, gg2_1, BF16)
+                through1 = _dot(k, gg1_1, BF16)
                 d_delta += tw1[:, None] * through2
                 dtw1 += tl.sum(through2 * delta, axis=1) + tl.sum(through1 * err, axis=1)
                 d_err += tw1[:, None] * through1
-                dk += tw1[:, None] * _dot(err, tl.trans(gg1_1))
-            d_delta += _dot(d_err * d1, w2)
+                dk += tw1[:, None] * _dot(err, tl.trans(gg1_1), BF16)
+            d_delta += _dot(d_err * d1, w2, BF16)
         if RESIDUAL:
             dk += d_delta
         # pass 2: the weights' gradients, written with the state's into the gradient buffers
         for h0 in range(0, HD, BH):
             w1, s1, w2, s2 = _state_block(old1, old2, h0, D, HD, rd, rh)
-            act, d1, d2 = _silu_parts(_dot(k, w1))
-            err_in = _dot(delta, tl.trans(w2))
+            act, d1, d2 = _silu_parts(_dot(k, w1, BF16))
+            err_in = _dot(delta, tl.trans(w2), BF16)
             err = err_in * d1
             dn1_0 = _load(ds1 + h0, rd, rh, D, HD - h0, HD, 1)
             dn1_1 = _load(ds1 + size1 + h0, rd, rh, D, HD - h0, HD, 1)
@@ -440,23 +458,23 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, ck1_ptr, ck2_ptr,
             else:
                 gg1_0 = dn1_0
                 gg2_0 = dn2_0
-            d_err = tw0[:, None] * _dot(k, gg1_0)
-            d_act = tw0[:, None] * _dot(delta, tl.trans(gg2_0))
+            d_err = tw0[:, None] * _dot(k, gg1_0, BF16)
+            d_act = tw0[:, None] * _dot(delta, tl.trans(gg2_0), BF16)
             if K == 2:
-                d_err += tw1[:, None] * _dot(k, dn1_1)
-                d_act += tw1[:, None] * _dot(delta, tl.trans(dn2_1))
+                d_err += tw1[:, None] * _dot(k, dn1_1, BF16)
+                d_act += tw1[:, None] * _dot(delta, tl.trans(dn2_1), BF16)
             d_err_in = d_err * d1
-            d_act += _dot(d_delta, tl.trans(w2))
+            d_act += _dot(d_delta, tl.trans(w2), BF16)
             d_pre = d_act * d1 + d_err * err_in * d2
-            dk += _dot(d_pre, tl.trans(w1))
-            dw1 = _dot(tl.trans(k), d_pre)
-            dw2 = _dot(tl.trans(d_err_in), delta) + _dot(tl.trans(act), d_delta)
+            dk += _dot(d_pre, tl.trans(w1), BF16)
+            dw1 = _dot(tl.trans(k), d_pre, BF16)
+            dw2 = _dot(tl.trans(d_err_in), delta, BF16) + _dot(tl.trans(act), d_delta, BF16)
             if not READ_AFTER_WRITE:  # y = M(q), the state before the write
-                act_q, d1_q, d2_q = _silu_parts(_dot(q, w1))
-                d_pre_q = _dot(dy, tl.trans(w2)) * d1_q
-                dq += _dot(d_pre_q, tl.trans(w1))
-                dw1 += _dot(tl.trans(q), d_pre_q)
-                dw2 += _dot(tl.trans(act_q), dy)
+                act_q, d1_q, d2_q = _silu_parts(_dot(q, w1, BF16))
+                d_pre_q = _dot(dy, tl.trans(w2), BF16) * d1_q
+                dq += _dot(d_pre_q, tl.trans(w1), BF16)
+                dw1 += _dot(tl.trans(q), d_pre_q, BF16)
+                dw2 += _dot(tl.trans(act_q), dy, BF16)
             if NS_STEPS > 0:  # M' = (1 - alpha) M + step_scale NS(S'), S' = eta S - G_0
                 d_alpha -= tl.sum(tl.sum(dn1_0 * w1, axis=1), axis=0) + tl.sum(tl.sum(dn2_0 * w2, axis=1), axis=0)
                 d_eta += tl.sum(tl.sum(dn1_1 * s1, axis=1), axis=0) + tl.sum(tl.sum(dn2_1 * s2, axis=1), axis=0)

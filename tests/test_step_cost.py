@@ -181,7 +181,8 @@ def test_script_prints_the_tables(capsys):
 def test_whole_sequence_kernels_are_costed_once_per_call():
     """`whole_sequence=True` (titans_mag: one memory call per layer): each memory layer runs one
     forward and one backward whole-sequence launch, booked as memory update with the FLOPs of
-    `kernels.whole_sequence.kernel_cost` at the occupancy of batch x heads programs, and the
+    `kernels.whole_sequence.kernel_cost` at the occupancy of batch x heads programs (bf16
+    products: the step is recorded under bf16 autocast), and the
     layer's launches do not grow with T where the chunk loop's do."""
     from kernels.whole_sequence import kernel_cost
 
@@ -203,6 +204,7 @@ def test_whole_sequence_kernels_are_costed_once_per_call():
                            max(m.checkpoint_chunks, 1), backward=False)
     assert fwd.flops == pytest.approx(layers * flops)
     hw = short.hardware
-    assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads) - 1e-12
+    assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads, bf16=True) - 1e-12
+    assert hw.program_flops(2 * m.n_heads, bf16=True) == hw.bf16_flops * 2 * m.n_heads / hw.sms
     with pytest.raises(ValueError, match="no neural memory"):
         predict("transformer_debug", seq_len=64, whole_sequence=True)

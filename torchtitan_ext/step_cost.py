@@ -126,7 +126,6 @@ TF32_PEAK = 494e12  # dense TF32 tensor-core FLOP/s (allow_tf32=True)
 FP64_PEAK = 67e12  # fp64 tensor cores
 HBM_BYTES_PER_S = 3.35e12
 SMS = 132  # streaming multiprocessors (one whole-sequence program per (batch, head) runs on one)
-TF32X3_SLOWDOWN = 3  # kernels' fp32 dots in "tf32x3": three TF32 products each
 LAUNCH_FLOOR_S = 5e-6  # eager per-launch floor (the kernel launch and the op's dispatch)
 HOST_SYNC_S = 20e-6  # one device-to-host round trip (the queue drains)
 MULTI_TENSOR_LIST = 36  # tensors per launch of a multi-tensor op (torch's depth-4 lists)
@@ -187,10 +186,10 @@ class Hardware:
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
     sms: int = SMS
 
-    def program_flops(self, programs: int) -> float:
-        """The FLOP/s of a kernel of `programs` one-SM programs of tf32x3 dots (the
-        whole-sequence kernels): the TF32 peak / 3, times the share of the SMs it occupies."""
-        return self.tf32_flops / TF32X3_SLOWDOWN * min(programs, self.sms) / self.sms
+    def program_flops(self, programs: int, bf16: bool) -> float:
+        """The FLOP/s of a kernel of `programs` one-SM programs (the whole-sequence kernels):
+        the bf16 peak (bf16 products) or the fp32 FMA peak, times the share of the SMs it occupies."""
+        return (self.bf16_flops if bf16 else self.fp32_flops) * min(programs, self.sms) / self.sms
 
     def peak(self, dtype: torch.dtype | None) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -567,7 +566,8 @@ class _Recorder:
         launches = 1
         if kind == "memory_kernel":  # kernels/whole_sequence.py: one launch of (batch x heads) programs
             flops, nbytes, programs = whole_sequence_kernel_cost(func, args, kwargs)
-            compute = max(flops / hw.program_flops(programs), nbytes / hw.bytes_per_s)
+            # bf16 products under bf16 autocast, as the layer asks on CUDA (meta has no autocast)
+            compute = max(flops / hw.program_flops(programs, self.bf16), nbytes / hw.bytes_per_s)
             self._book(func.overloadpacket.__name__, cls, tag, Cost(1, flops, nbytes, compute, hw.launch_s), False)
             return
         if kind == "multi":

@@ -79,7 +79,8 @@ Choices where the papers are silent (tested):
   one Triton launch forward and one backward per layer whatever T (the chunk loop's launches
   grow with T), the state entering every `checkpoint_chunks`-th chunk (every chunk's at 0)
   kept for the backward, which recomputes the rest from it (`compiled_chunk_step` does not
-  apply to it). Depth 2,
+  apply to it). Under bf16 autocast its fast-weight products take bf16 operands, as autocast
+  gives the chunk loop's matmuls; the state and its update stay fp32. Depth 2,
   float32 state, no `max_update_norm`, a CUDA device (TRITON_INTERPRET=1 on CPU); anything
   else runs the chunk loop after a warning naming why. Off by default until a GPU measures it faster.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
@@ -120,6 +121,7 @@ from kernels import bounded_compile
 from kernels import memory_update as kernel_memory_update
 from kernels import (FUSED_TOKEN_STEP_BACKENDS, full_precision, token_chunk_step, token_step_backend,
                      token_step_refusal)
+from kernels.token_step import AUTOCAST_DEVICE_TYPES
 from kernels.whole_sequence import refusal as whole_sequence_refusal
 from kernels.whole_sequence import whole_sequence_memory
 
@@ -457,8 +459,11 @@ def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: Upda
         if not torch.compiler.is_compiling():
             warnings.warn(f"whole-sequence memory path not taken, chunk loop instead: {reason}", stacklevel=3)
         return None
+    device = q.device.type
+    bf16 = device in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device) and \
+        torch.get_autocast_dtype(device) == torch.bfloat16  # the chunk loop's matmuls would be bf16 too
     y, state = whole_sequence_memory(stacked, q, k, v, token_weights, gates, rule.ns_steps, rule.step_scale,
-                                     rule.residual, rule.read_after_write, checkpoint_every)
+                                     rule.residual, rule.read_after_write, checkpoint_every, bf16)
     return y.to(q.dtype), tuple(s.to(t.dtype) for s, t in zip(state, stacked))
 
 
