@@ -11,6 +11,9 @@
   the file; without triton only its torch paths). "auto" looks up op "token_step" in the auto table,
   which has no entry for it (never measured on a GPU), so it resolves to the device default,
   never to a fused path; `token_step_refusal` says why a fused backend cannot take a step.
+- `kernels.whole_sequence.whole_sequence_memory(...)`: every chunk of a memory call in one
+  forward and one backward launch (kernels/whole_sequence.py; used by the neural memory's
+  `whole_sequence` option, not by "auto").
 backend "auto" runs what was measured fastest (`kernels/auto_table.py`): a table of (device
 kind, op, shape class) -> backend, compiled torch on CUDA where no kernel was measured
 faster (today everywhere: on an H100 the Triton paths were 1.2-2.3x slower for training),
