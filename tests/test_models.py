@@ -81,6 +81,29 @@ def test_mlp_ffn_is_two_layer_with_elementwise_activation():
     torch.testing.assert_close(ffn(x), torch.relu(x @ ffn.w1.weight.T) @ ffn.w2.weight.T)
 
 
+def test_untied_token_embeddings_dominate_the_first_block_at_init_and_tied_ones_keep_logits_small():
+    """Untied: N(0, 1) embeddings (torchtitan's llama3), so the token's identity dominates what the
+    first block adds (under 0.02 embeddings the two were alike in size and MQAR recall stalled:
+    docs/benchmarks.md "Initialisation and recall"). Tied: the table is the output layer too, so
+    it keeps init_std and the logits at init stay O(1)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 64))
+    untied = MLPLM(MLPLMConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=256))
+    seen = {}
+    untied.layers["0"].register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
+    with torch.no_grad():
+        untied(tokens)
+    ratio = (seen["x"].pow(2).mean().sqrt() / (seen["out"] - seen["x"]).pow(2).mean().sqrt()).item()
+    assert abs(untied.tok_embeddings.weight.std().item() - 1.0) < 0.02
+    assert ratio > 5.0, ratio  # 0.02 embeddings: about 1
+    tied = MLPLM(MLPLMConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=256, tie_embeddings=True))
+    with torch.no_grad():
+        assert tied(tokens).std().item() < 0.5
+    assert abs(tied.tok_embeddings.weight.std().item() - tied.cfg.init_std) < 0.002
+    explicit = MLPLM(MLPLMConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=256, embedding_std=0.5))
+    assert abs(explicit.tok_embeddings.weight.std().item() - 0.5) < 0.01
+
+
 def test_tied_embeddings_are_retied_after_reinit_and_adapter_round_trips():
     spec = mlp_lm.model_spec("debug")
     spec.model.model.tie_embeddings = True
