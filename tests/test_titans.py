@@ -18,11 +18,11 @@ VOCAB = 50
 NS_CHUNK = dict(gates="chunk", newton_schulz_steps=5)  # Mela's rule, also a Titans option
 
 
-def tiny(variant: str, window: int = 8, gate: str = "paper", **kw) -> TitansLM:
+def tiny(variant: str, window: int = 8, gate: str = "paper", mac_write: str = "attention", **kw) -> TitansLM:
     torch.manual_seed(0)
     memory = NeuralMemoryConfig(**dict(chunk_size=3, expansion=2) | kw)
     cfg = TitansConfig(variant=variant, vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, window=window, n_persistent=2,
-                       gate=gate, memory=memory)
+                       gate=gate, mac_write=mac_write, memory=memory)
     model = TitansLM(cfg).double()
     with torch.no_grad():  # wake the gates up so every path carries signal
         for block in model.layers.values():
@@ -44,6 +44,33 @@ def test_changing_token_t_never_changes_earlier_logits(variant, options):
         out = model(changed)
         torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=1e-12)
         assert (out[:, t:] - base[:, t:]).abs().max() > 1e-8
+
+
+def test_mac_memory_writes_the_attention_output_or_with_mac_write_inputs_the_normed_segment():
+    """Eq. 2.50: MAC's memory takes the segment's attention output y; the "inputs" ablation its
+    normed inputs. Each is what the memory's forward receives, segment by segment; the
+    ablation stays causal, and mac_write is refused for the other variants."""
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    for write in ("attention", "inputs"):
+        model = tiny("mac", mac_write=write)
+        block, seen = model.layers["0"], {"memory": [], "attention": [], "norm": []}
+        block.memory.register_forward_hook(lambda m, args, out: seen["memory"].append(args[0]))
+        block.attention.register_forward_hook(lambda m, args, out: seen["attention"].append(out))
+        block.memory_norm.register_forward_hook(lambda m, args, out: seen["norm"].append(out))
+        base = model(tokens)
+        expected = seen["attention"] if write == "attention" else seen["norm"]
+        assert len(seen["memory"]) == len(expected) == 3  # segments of 8 in 20 tokens
+        for written, wanted in zip(seen["memory"], expected):
+            torch.testing.assert_close(written, wanted, rtol=0, atol=0)
+        other = seen["norm"] if write == "attention" else seen["attention"]
+        assert (seen["memory"][0] - other[0]).abs().max() > 1e-3
+        changed = tokens.clone()
+        changed[:, 12] = (changed[:, 12] + 1) % VOCAB
+        out = model(changed)
+        torch.testing.assert_close(out[:, :12], base[:, :12], rtol=0, atol=1e-12)
+        assert (out[:, 12:] - base[:, 12:]).abs().max() > 1e-8
+    with pytest.raises(ValueError, match="MAC only"):
+        TitansConfig(variant="mag", mac_write="inputs")
 
 
 def previous_token_gaps(model: TitansLM, positions: range) -> list[float]:

@@ -9,6 +9,9 @@ neural memory (`models/memory/neural_memory.py`), in four variants:
   (eq. 2.48-2.51): r = M_{s-1}*(q) read with the segment's queries; y = Attn over
   [persistent; r; segment]; m = Memory(y) writes y (chunk by chunk) and reads the memory
   again; x_s += Gate(y, m).   Then x += FFN(norm x).
+  `mac_write="inputs"` (an ablation, not the paper's) writes and reads the segment's normed
+  inputs instead, m = Memory(norm x_s): the memory then binds token pairs as LMM's does, which
+  separates the cost of writing attention outputs from the rest of the block (docs/leaderboard.md).
 
 SWA* is sliding-window causal attention over `window` tokens with the persistent tokens
 (learnable, `n_persistent`) prepended as keys/values visible to every query. In MAC a
@@ -54,6 +57,7 @@ from models.layers.rope import apply_rope, rope_angles
 
 VARIANTS = ("mac", "mag", "mal", "lmm")
 GATES = ("paper", "convex")
+MAC_WRITES = ("attention", "inputs")
 
 
 @dataclass
@@ -66,6 +70,7 @@ class TitansConfig:
     window: int = 64  # sliding-window size; MAC segment length
     n_persistent: int = 4
     gate: str = "paper"  # MAC / MAG output gate: "paper" (normalised branches, non-linear gate) or "convex"
+    mac_write: str = "attention"  # what MAC's memory writes: "attention" outputs y (eq. 2.50) or the segment's "inputs"
     # The memory's own options; dim / n_heads / head_dim are the model's (`block_memory`): leave them unset.
     memory: NeuralMemoryConfig = field(default_factory=lambda: NeuralMemoryConfig(chunk_size=16))
     rope_theta: float = 10000.0
@@ -87,6 +92,10 @@ class TitansConfig:
             raise ValueError(f"Titans variant '{self.variant}' unknown: choose one of {VARIANTS}")
         if self.gate not in GATES:
             raise ValueError(f"Titans gate '{self.gate}' unknown: choose one of {GATES}")
+        if self.mac_write not in MAC_WRITES:
+            raise ValueError(f"Titans mac_write '{self.mac_write}' unknown: choose one of {MAC_WRITES}")
+        if self.mac_write != "attention" and self.variant != "mac":
+            raise ValueError(f"mac_write '{self.mac_write}' applies to MAC only, not {self.variant}: leave it 'attention'")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} must divide by n_heads {self.n_heads}")
         self.ffn_hidden = self.ffn_hidden or swiglu_hidden(self.dim)
@@ -249,7 +258,7 @@ class TitansBlock(nn.Module):
             positions = torch.arange(seen + start, seen + start + segment.shape[1], device=x.device)
             y = self.attention(h, positions, torch.cat([retrieved, h], 1), torch.cat([positions, positions]),
                                mac_mask(cfg.n_persistent, segment.shape[1]))
-            m, state = self.memory(y, state)
+            m, state = self.memory(y if cfg.mac_write == "attention" else h, state)
             out = self.gate(y, m)
             outputs.append(segment + out)
         self._note_share(self.gate.last_memory_part, out)
