@@ -12,8 +12,8 @@ windowed rows spans `window` tokens, shorter than `train_len`: the window-only T
 (torchtitan's llama3 with every attention masked to the last `window` tokens, `WindowedSDPA`:
 the registry's llama3 has no sliding-window option on CPU, so the mask is set here), Titans
 MAC (segments of `window`; `titans_mac_inputs` is its ablation writing the segment's inputs
-instead of the attention outputs, TitansConfig.mac_write), MAG and MAL (sliding window of `window`), Mela (decoder chunks of
-P*C = `window` tokens, each reading C memory tokens). Titans LMM has no attention; the full
+instead of the attention outputs, TitansConfig.mac_write), MAG and MAL (sliding window of
+`window`), Mela (decoder chunks of P*C = `window` tokens, each reading C memory tokens). Titans LMM has no attention; the full
 Transformer++ and the MLP-FFN LM attend to every earlier token. The memory-off Mela twin is
 Mela's own switch (`memory_path=False`: every chunk reads the initial memory tokens, the HMM
 never runs).
