@@ -206,9 +206,9 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weight
     """(dq, dk, dv, d token_weights, d gates, d s1, d s2), all fp32: one launch."""
     batch, heads, chunks, chunk, dim = q.shape
     hidden = ck1.shape[-1]
-    # the kernel updates these in place: one fresh contiguous fp32 copy each
-    ds1 = dn1.to(torch.float32).clone(memory_format=torch.contiguous_format).flatten(0, 1)
-    ds2 = dn2.to(torch.float32).clone(memory_format=torch.contiguous_format).flatten(0, 1)
+    # the kernel updates these in place: one fresh contiguous fp32 copy each, whatever dn's dtype
+    ds1 = dn1.to(torch.float32, memory_format=torch.contiguous_format, copy=True).flatten(0, 1)
+    ds2 = dn2.to(torch.float32, memory_format=torch.contiguous_format, copy=True).flatten(0, 1)
     dq, dk, dv = (q.new_empty(q.shape, dtype=torch.float32) for _ in range(3))
     dtw = q.new_empty(token_weights.shape, dtype=torch.float32)
     dgates = q.new_empty(gates.shape, dtype=torch.float32)

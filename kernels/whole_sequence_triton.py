@@ -70,7 +70,9 @@ def _dot(a, b, BF16: tl.constexpr):
 
 @triton.jit
 def _silu_parts(pre):
-    """(silu(pre), silu'(pre), silu''(pre))."""
+    """(silu(pre), silu'(pre), silu''(pre)). Callers name every part, even unused ones: Triton
+    refused a loop-carried `_` reassigned in a loop (the NS forward); the compiler drops the
+    parts nobody reads."""
     sig = tl.sigmoid(pre)
     return pre * sig, sig * (1 + pre * (1 - sig)), sig * (1 - sig) * (2 + pre * (1 - 2 * sig))
 
