@@ -161,9 +161,10 @@ class WindowedSDPA(torch.nn.Module):
         return out.transpose(1, 2)
 
 
-def build_row(name: str, s: Setting) -> torch.nn.Module:
+def build_row(name: str, s: Setting, **overrides) -> torch.nn.Module:
+    """The row's model; `overrides` replace config fields of its `row_spec` (follow-up studies)."""
     family, fields = row_spec(name, s)
-    model = mqar.build_model(family, **fields)
+    model = mqar.build_model(family, **{**fields, **overrides})
     if name == "transformer_window":
         for layer in model.layers.values():
             layer.attention.inner_attention = WindowedSDPA(s.window)
@@ -246,10 +247,11 @@ def validation_accuracy(model: torch.nn.Module, s: Setting, seed: int) -> float:
     return sum(scores) / len(scores)
 
 
-def train_run(name: str, s: Setting, seed: int, lr: float) -> tuple[torch.nn.Module, dict]:
-    """One row trained at one seed and rate: (model, record)."""
+def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row) -> tuple[torch.nn.Module, dict]:
+    """One row trained at one seed and rate: (model, record). `build(name, s)` makes the model
+    (after `torch.manual_seed(seed)`)."""
     torch.manual_seed(seed)
-    model = build_row(name, s)
+    model = build(name, s)
     tasks = tuple(mqar.Task(seq_len=s.train_len, num_kv=kv, vocab=s.vocab) for kv in s.train_kv)
     start = time.perf_counter()
     run = mqar.train(model, tasks, steps=s.steps, lr=lr, batch_size=s.batch_size, eval_every=max(1, s.steps // 4),

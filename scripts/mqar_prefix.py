@@ -1,0 +1,78 @@
+"""Does a learned prefix vector slow MQAR learning? One MQAR suite row trained at several seeds,
+with or without one learned vector before every sequence (torchtitan_ext/eval/mqar_prefix.py;
+the study behind docs/benchmarks.md "Initialisation and recall").
+
+    python scripts/mqar_prefix.py --row transformer_full --seeds 0-7 --prefix-std 0.02 --out runs.jsonl
+    python scripts/mqar_prefix.py --row mela_memory_off --seeds 0,1 --steps 5400 \\
+        --set patch_size=8 --set chunk_size=4 --out runs.jsonl
+
+Each run trains as the suite does (its full setting; `--steps` overrides the step count,
+`--quick` takes the seconds-long setting the tests use) and appends one JSON line to `--out`:
+the validation curve, the last validation accuracy and whether it reached 0.8 ("solved"). A
+run already in `--out` is not repeated. Prints one line a run, then the solved count.
+`--set FIELD=VALUE` overrides a config field of the row (VALUE read as JSON, else a string).
+Bad input (an unknown row, a malformed --seeds or --set) prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.eval import mqar_prefix, mqar_suite
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"0-7" or "0,3,5" -> seeds."""
+    try:
+        if "-" in text:
+            first, last = (int(part) for part in text.split("-"))
+            return list(range(first, last + 1))
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--seeds '{text}' is neither a range like 0-7 nor a list like 0,3,5") from None
+
+
+def parse_overrides(items: list[str]) -> dict:
+    overrides = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UserError(f"--set '{item}' needs the form FIELD=VALUE, e.g. --set patch_size=8")
+        try:
+            overrides[name] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[name] = value
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", required=True, help=", ".join(mqar_suite.ROWS))
+    parser.add_argument("--seeds", default="0-7", help="a range (0-7) or a list (0,3,5)")
+    parser.add_argument("--prefix-std", type=float, help="std of the learned prefix vector (omit: no prefix)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--quick", action="store_true", help="the tiny setting the tests run")
+    parser.add_argument("--out", type=Path, required=True, help="JSON-lines file the runs are appended to")
+    args = parser.parse_args(argv)
+    try:
+        if args.row not in mqar_suite.ROWS:
+            raise UserError(f"unknown row '{args.row}': choose from {', '.join(mqar_suite.ROWS)}")
+        seeds, overrides = parse_seeds(args.seeds), parse_overrides(args.set)
+        setting = mqar_prefix.setting_with(args.steps, args.quick)
+        mqar_prefix.check_overrides(args.row, setting, overrides)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    records = mqar_prefix.run_all(args.row, setting, seeds, args.lr, args.prefix_std, overrides, args.out,
+                                  log=lambda line: print(line, flush=True))
+    print(f"solved (validation >= {mqar_prefix.SOLVED}): {sum(r['solved'] for r in records)} of {len(records)} seeds")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The prefix study (torchtitan_ext/eval/mqar_prefix.py, scripts/mqar_prefix.py): the wrapper
+is a model reading one extra token, causal; runs are recorded, resumed, and bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_ext.eval import mqar_prefix, mqar_suite
+
+QUICK = mqar_suite.SETTINGS["quick"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_prefix_is_one_more_vocabulary_token():
+    """PrefixLM(transformer) equals the same transformer with one more vocabulary token whose
+    embedding row is the prefix, fed that token first (no hook involved): the wrapper adds a
+    learned first token and nothing else."""
+    torch.manual_seed(0)
+    vocab = QUICK.vocab
+    wrapped = mqar_prefix.PrefixLM(mqar_suite.build_row("transformer_full", QUICK), QUICK.width, 0.5).eval()
+    wider = mqar_suite.build_row("transformer_full", QUICK, vocab_size=vocab + 1).eval()
+    state = {k: v for k, v in wrapped.inner.state_dict().items() if k not in ("tok_embeddings.weight", "lm_head.weight")}
+    wider.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        wider.tok_embeddings.weight[:vocab] = wrapped.inner.tok_embeddings.weight
+        wider.tok_embeddings.weight[vocab] = wrapped.prefix[0, 0]
+        wider.lm_head.weight[:vocab] = wrapped.inner.lm_head.weight
+    tokens = torch.randint(0, vocab, (3, 12), generator=torch.Generator().manual_seed(1))
+    extra = torch.full((3, 1), vocab)
+    with torch.no_grad():
+        expected = mqar_suite.mqar.logits_of(wider, torch.cat([extra, tokens], 1))[:, 1:, :vocab]
+        got = wrapped(tokens)
+    assert got.shape == (3, 12, vocab)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        wrapped.prefix.add_(1.0)
+        assert (wrapped(tokens) - got).abs().max() > 1e-3  # the prefix is read
+
+
+def test_the_prefixed_model_is_causal_and_trains_its_prefix():
+    torch.manual_seed(0)
+    model = mqar_prefix.PrefixLM(mqar_suite.build_row("mlp_lm", QUICK), QUICK.width, 0.02)
+    tokens = torch.randint(0, QUICK.vocab, (2, 16), generator=torch.Generator().manual_seed(2))
+    changed = tokens.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % QUICK.vocab
+    out, out_changed = model(tokens), model(changed)
+    assert torch.equal(out[:, :9], out_changed[:, :9])
+    assert (out[:, 9:] - out_changed[:, 9:]).abs().max() > 1e-4
+    out.square().mean().backward()
+    assert model.prefix.grad is not None and model.prefix.grad.abs().sum() > 0
+
+
+def test_runs_are_recorded_once_each(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    first = mqar_prefix.run_all("transformer_full", QUICK, [0, 1], 3e-3, 0.02, {}, out, log=lambda line: None)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and [json.loads(line)["seed"] for line in lines] == [0, 1]
+    plain = mqar_prefix.run("transformer_full", QUICK, 0, 3e-3, None)
+    assert first[0]["parameters"] == plain["parameters"] + QUICK.width  # the prefix vector, nothing else
+    assert first[0]["curve"][-1][0] == QUICK.steps
+    again = mqar_prefix.run_all("transformer_full", QUICK, [1, 2], 3e-3, 0.02, {}, out, log=lambda line: None)
+    assert again[0] == first[1]  # seed 1 read back, not retrained
+    assert len(out.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--row", "nope"], "unknown row 'nope'"),
+    (["--row", "mlp_lm", "--set", "bogus=1"], "refuses ['bogus']"),
+    (["--row", "mlp_lm", "--seeds", "a-b"], "--seeds 'a-b'"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
+    out = tmp_path / "runs.jsonl"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "mqar_prefix.py"), "--quick", "--out", str(out), *args],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()

@@ -1,0 +1,97 @@
+"""Does a learned prefix vector slow MQAR learning? The follow-up study behind issue 40's
+question about Mela (`python scripts/mqar_prefix.py`).
+
+Mela's memory-off twin with P 32, C 1 and a ReLU MLP is exactly the MLP-FFN LM reading one
+learned vector before each sequence (docs/benchmarks.md "Initialisation and recall"): the
+place of Mela's memory tokens (paper section 4.1). `PrefixLM` puts such a vector before any
+suite row, so the same question can be asked of the Transformer++ and the MLP-FFN LM: does
+the vector alone keep a model that learns MQAR without it from learning it within the
+suite's budget? Each run trains one row at one seed as the suite does (`mqar_suite.train_run`:
+its data, optimizer, schedule and validation prompts) and records the validation curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.eval import mqar_suite
+from torchtitan_ext.training.checkpoints import causal_logits
+
+SOLVED = 0.8  # validation accuracy at or above this counts as solved (the curves jump from ~0.3 to ~0.95)
+
+
+class PrefixLM(torch.nn.Module):
+    """`inner` (an LM with `tok_embeddings`) reading one learned vector before every sequence.
+
+    forward: tokens (B, T) -> logits (B, T, vocab) of the real tokens. The inner model sees
+    T + 1 positions; position 0's embedding is replaced by `prefix` (1, 1, dim), drawn from
+    N(0, std) and trained with the rest (as Mela's `memory_init`, with weight decay).
+    """
+
+    def __init__(self, inner: torch.nn.Module, dim: int, std: float):
+        super().__init__()
+        self.inner = inner
+        self.prefix = torch.nn.Parameter(torch.randn(1, 1, dim) * std)
+        inner.tok_embeddings.register_forward_hook(self._put_prefix)
+
+    def _put_prefix(self, module, args, embeddings: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.prefix.expand(embeddings.shape[0], 1, -1).to(embeddings.dtype), embeddings[:, 1:]], 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        placeholder = torch.zeros_like(tokens[:, :1])  # its embedding is replaced by the prefix
+        return causal_logits(self.inner, torch.cat([placeholder, tokens], 1))[:, 1:]
+
+
+def check_overrides(row: str, setting: mqar_suite.Setting, overrides: dict) -> None:
+    """UserError naming the field when `overrides` has one the row's config lacks."""
+    try:
+        mqar_suite.build_row(row, setting, **overrides)
+    except TypeError as e:
+        raise UserError(f"--set: {row}'s config refuses {sorted(overrides)} ({e}): name fields of its config") from None
+
+
+def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std: float | None,
+        overrides: dict | None = None) -> dict:
+    """One run of `row` (a suite row) at `seed` and `lr`, with a prefix of std `prefix_std`
+    (None: without one) and config fields `overrides`: its record (validation curve, last
+    validation accuracy, seconds)."""
+    overrides = overrides or {}
+
+    def build(name: str, s: mqar_suite.Setting) -> torch.nn.Module:
+        model = mqar_suite.build_row(name, s, **overrides)
+        return model if prefix_std is None else PrefixLM(model, s.width, prefix_std)
+
+    model, record = mqar_suite.train_run(row, setting, seed, lr, build=build)
+    return {"row": row, "prefix_std": prefix_std, "overrides": overrides, "seed": seed, "lr": lr,
+            "steps": setting.steps, "parameters": sum(p.numel() for p in model.parameters()),
+            "curve": [list(point) for point in record["curve"]], "val_accuracy": record["val_accuracy"],
+            "solved": record["val_accuracy"] >= SOLVED, "train_seconds": record["train_seconds"]}
+
+
+def run_all(row: str, setting: mqar_suite.Setting, seeds: list[int], lr: float, prefix_std: float | None,
+            overrides: dict, out: Path, log=print) -> list[dict]:
+    """`run` for each seed, each record appended to the JSON-lines file `out` as it ends
+    (a seed already there with the same row, prefix, overrides, steps and lr is skipped)."""
+    done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    key = dict(row=row, prefix_std=prefix_std, overrides=overrides, steps=setting.steps, lr=lr)
+    records = []
+    for seed in seeds:
+        previous = [r for r in done if r["seed"] == seed and all(r[k] == v for k, v in key.items())]
+        record = previous[0] if previous else run(row, setting, seed, lr, prefix_std, overrides)
+        if not previous:
+            with out.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        records.append(record)
+        log(f"{row} prefix {prefix_std} seed {seed}: validation {record['val_accuracy']:.3f} "
+            f"(curve {' '.join(f'{a:.2f}' for _, a in record['curve'])}; {record['train_seconds']:.0f} s)")
+    return records
+
+
+def setting_with(steps: int | None, quick: bool) -> mqar_suite.Setting:
+    setting = mqar_suite.SETTINGS["quick" if quick else "full"]
+    return setting if steps is None else dataclasses.replace(setting, steps=steps)
