@@ -10,6 +10,8 @@ Each run trains as the suite does (its full setting; `--steps` overrides the ste
 `--quick` takes the seconds-long setting the tests use) and appends one JSON line to `--out`:
 the validation curve, the last validation accuracy and whether it reached 0.8 ("solved"). A
 run already in `--out` is not repeated. Prints one line a run, then the solved count.
+`--summary` runs nothing: it prints every run in `--out` as a markdown table, each prefixed
+setting beside the same row without a prefix (solved counts, one-sided Fisher exact p).
 `--set FIELD=VALUE` overrides a config field of the row (VALUE read as JSON, else a string).
 Bad input (an unknown row, a malformed --seeds or --set) prints one line and exits 2.
 """
@@ -51,7 +53,7 @@ def parse_overrides(items: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", required=True, help=", ".join(mqar_suite.ROWS))
+    parser.add_argument("--row", help=", ".join(mqar_suite.ROWS))
     parser.add_argument("--seeds", default="0-7", help="a range (0-7) or a list (0,3,5)")
     parser.add_argument("--prefix-std", type=float, help="std of the learned prefix vector (omit: no prefix)")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -59,10 +61,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--quick", action="store_true", help="the tiny setting the tests run")
     parser.add_argument("--out", type=Path, required=True, help="JSON-lines file the runs are appended to")
+    parser.add_argument("--summary", action="store_true", help="print the runs in --out as a table; run nothing")
     args = parser.parse_args(argv)
     try:
+        if args.summary:
+            if not args.out.is_file():
+                raise UserError(f"{args.out} does not exist: run some seeds into it first")
+            print(mqar_prefix.summary([json.loads(line) for line in args.out.read_text().splitlines()]))
+            return
         if args.row not in mqar_suite.ROWS:
-            raise UserError(f"unknown row '{args.row}': choose from {', '.join(mqar_suite.ROWS)}")
+            raise UserError(f"{'unknown row ' + repr(args.row) if args.row else '--row is needed'}: "
+                            f"choose from {', '.join(mqar_suite.ROWS)}")
         seeds, overrides = parse_seeds(args.seeds), parse_overrides(args.set)
         setting = mqar_prefix.setting_with(args.steps, args.quick)
         mqar_prefix.check_overrides(args.row, setting, overrides)

@@ -71,6 +71,8 @@ def test_runs_are_recorded_once_each(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--row", "nope"], "unknown row 'nope'"),
+    ([], "--row is needed"),
+    (["--summary"], "does not exist"),
     (["--row", "mlp_lm", "--set", "bogus=1"], "refuses ['bogus']"),
     (["--row", "mlp_lm", "--seeds", "a-b"], "--seeds 'a-b'"),
 ])
@@ -81,3 +83,20 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_summary_pairs_each_prefixed_setting_with_the_plain_one():
+    """3 of 3 plain runs solved, 0 of 3 prefixed: of the C(6, 3) = 20 equally likely ways to
+    place the 3 successes, only one puts all in the plain group, so p = 1/20."""
+    def record(std, seed, accuracy, steps=900):
+        return {"row": "mlp_lm", "steps": steps, "lr": 3e-3, "overrides": {}, "prefix_std": std, "seed": seed,
+                "val_accuracy": accuracy, "solved": accuracy >= mqar_prefix.SOLVED}
+
+    records = [record(None, s, 0.95) for s in range(3)] + [record(0.02, s, 0.3) for s in range(3)]
+    records.append(record(0.02, 0, 0.99, steps=2700))  # no plain line at 2700 steps: no p
+    lines = mqar_prefix.summary(records).splitlines()
+    assert len(lines) == 2 + 3
+    plain, prefixed, longer = lines[2:]
+    assert "| none | 0: 0.95, 1: 0.95, 2: 0.95 | 3 of 3 | - |" in plain
+    assert "| 0.02 | 0: 0.30, 1: 0.30, 2: 0.30 | 0 of 3 | 0.05 |" in prefixed
+    assert longer.startswith("| mlp_lm | 2700 |") and longer.endswith("| 1 of 1 | - |")

@@ -3,13 +3,14 @@ written apart, and the properties a reader relies on (seed spread widens it, one
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
 import torch
 
-from torchtitan_ext.eval.stats import bootstrap, format_summary, seed_item_bootstrap, summarize_seeds
+from torchtitan_ext.eval.stats import bootstrap, fisher_greater, format_summary, seed_item_bootstrap, summarize_seeds
 
 
 def loop_seed_item_interval(per_seed: list[list[float]], resamples: int, rng: random.Random) -> tuple[float, float]:
@@ -68,3 +69,18 @@ def test_summary_has_per_seed_figures_beside_the_pooled_one():
 def test_empty_seed_is_refused():
     with pytest.raises(ValueError, match="at least one item"):
         seed_item_bootstrap([[1.0], []])
+
+
+@pytest.mark.parametrize("solved_a, runs_a, solved_b, runs_b", [(3, 5, 0, 5), (4, 6, 2, 4), (0, 3, 3, 4), (2, 2, 1, 6)])
+def test_fisher_greater_counts_the_assignments(solved_a, runs_a, solved_b, runs_b):
+    """The exact one-sided p by enumeration: every way of choosing which runs form group a,
+    the share giving group a at least solved_a successes."""
+    outcomes = [1] * (solved_a + solved_b) + [0] * (runs_a + runs_b - solved_a - solved_b)
+    splits = list(itertools.combinations(range(len(outcomes)), runs_a))
+    extreme = sum(sum(outcomes[i] for i in group) >= solved_a for group in splits)
+    assert fisher_greater(solved_a, runs_a, solved_b, runs_b) == pytest.approx(extreme / len(splits), rel=1e-12)
+
+
+def test_fisher_greater_refuses_impossible_counts():
+    with pytest.raises(ValueError, match="out of range"):
+        fisher_greater(4, 3, 0, 3)

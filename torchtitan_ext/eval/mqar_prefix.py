@@ -20,6 +20,7 @@ import torch
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import mqar_suite
+from torchtitan_ext.eval.stats import fisher_greater
 from torchtitan_ext.training.checkpoints import causal_logits
 
 SOLVED = 0.8  # validation accuracy at or above this counts as solved (the curves jump from ~0.3 to ~0.95)
@@ -90,6 +91,28 @@ def run_all(row: str, setting: mqar_suite.Setting, seeds: list[int], lr: float, 
         log(f"{row} prefix {prefix_std} seed {seed}: validation {record['val_accuracy']:.3f} "
             f"(curve {' '.join(f'{a:.2f}' for _, a in record['curve'])}; {record['train_seconds']:.0f} s)")
     return records
+
+
+def summary(records: list[dict]) -> str:
+    """A markdown table of `records` (from `run_all`'s file): per row, step count, lr and
+    overrides, one line per prefix setting with each seed's validation accuracy, the solved
+    count and, for a prefixed line, the one-sided Fisher exact p that the same row without a
+    prefix solves more often (stats.fisher_greater; "-" without such a line)."""
+    groups: dict[str, dict] = {}
+    for r in sorted(records, key=lambda r: (r["row"], r["steps"], r["prefix_std"] is not None, r["prefix_std"] or 0, r["seed"])):
+        setting = f"{r['row']} | {r['steps']} | {r['lr']:g} | {json.dumps(r['overrides']) if r['overrides'] else '-'}"
+        groups.setdefault(setting, {}).setdefault(r["prefix_std"], []).append(r)
+    lines = ["| row | steps | lr | overrides | prefix std | validation accuracy by seed | solved (>= 0.8) | Fisher p, without > with |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for setting, by_prefix in groups.items():
+        without = by_prefix.get(None)
+        for std, runs in by_prefix.items():
+            solved = sum(r["solved"] for r in runs)
+            p = "-" if std is None or without is None else \
+                f"{fisher_greater(sum(r['solved'] for r in without), len(without), solved, len(runs)):.3g}"
+            seeds = ", ".join(f"{r['seed']}: {r['val_accuracy']:.2f}" for r in runs)
+            lines.append(f"| {setting} | {'none' if std is None else f'{std:g}'} | {seeds} | {solved} of {len(runs)} | {p} |")
+    return "\n".join(lines)
 
 
 def setting_with(steps: int | None, quick: bool) -> mqar_suite.Setting:

@@ -10,6 +10,8 @@ Statistics: "mean" (exact match, accuracy), "exp_mean" (perplexity from per-item
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 STATISTICS = {"mean": lambda means: means, "exp_mean": torch.exp}
@@ -76,3 +78,16 @@ def format_summary(summary: dict, scale: float = 1.0, digits: int = 1) -> str:
 
 
 __all__ = ["bootstrap", "seed_item_bootstrap", "summarize_seeds", "format_summary"]
+
+
+def fisher_greater(solved_a: int, runs_a: int, solved_b: int, runs_b: int) -> float:
+    """One-sided Fisher exact test on a 2x2 table of counts (runs that succeeded in group a
+    and in group b): the probability, with the margins fixed (hypergeometric), that group a
+    holds at least `solved_a` of the successes. Small: a succeeds more often than b."""
+    if not (0 <= solved_a <= runs_a and 0 <= solved_b <= runs_b):
+        raise ValueError(f"counts out of range: {solved_a}/{runs_a} vs {solved_b}/{runs_b}")
+    total, successes = runs_a + runs_b, solved_a + solved_b
+    tables = math.comb(total, runs_a)
+    tail = sum(math.comb(successes, k) * math.comb(total - successes, runs_a - k)
+               for k in range(solved_a, min(successes, runs_a) + 1))
+    return tail / tables
