@@ -100,3 +100,23 @@ def test_summary_pairs_each_prefixed_setting_with_the_plain_one():
     assert "| none | 0: 0.95, 1: 0.95, 2: 0.95 | 3 of 3 | - |" in plain
     assert "| 0.02 | 0: 0.30, 1: 0.30, 2: 0.30 | 0 of 3 | 0.05 |" in prefixed
     assert longer.startswith("| mlp_lm | 2700 |") and longer.endswith("| 1 of 1 | - |")
+
+
+def test_validation_queries_split_at_the_window():
+    """A stand-in that answers every query right: all of them counted, split by the pair's
+    distance, both sides non-empty at the quick setting (so the split has teeth)."""
+    class Oracle(torch.nn.Module):
+        def forward(self, tokens):
+            logits = torch.zeros(*tokens.shape, QUICK.vocab)
+            for b in range(tokens.shape[0]):
+                for t in range(1, tokens.shape[1]):
+                    earlier = (tokens[b, :t - 1:2] == tokens[b, t]).nonzero()
+                    if t % 2 == 1 or len(earlier) == 0:
+                        continue
+                    logits[b, t, tokens[b, 2 * earlier[0, 0] + 1]] = 1.0
+            return logits
+
+    inside, beyond = mqar_prefix.validation_by_distance(Oracle(), QUICK, seed=0)
+    queries = sum(kv * QUICK.val_prompts for kv in QUICK.train_kv)
+    assert inside[1] + beyond[1] == queries and inside[1] > 0 and beyond[1] > 0
+    assert inside[0] == inside[1] and beyond[0] == beyond[1]

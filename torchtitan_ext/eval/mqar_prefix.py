@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.eval import mqar_suite
+from torchtitan_ext.eval import mqar, mqar_suite
 from torchtitan_ext.eval.stats import fisher_greater
 from torchtitan_ext.training.checkpoints import causal_logits
 
@@ -56,6 +56,20 @@ def check_overrides(row: str, setting: mqar_suite.Setting, overrides: dict) -> N
         raise UserError(f"--set: {row}'s config refuses {sorted(overrides)} ({e}): name fields of its config") from None
 
 
+def validation_by_distance(model: torch.nn.Module, s: mqar_suite.Setting, seed: int) -> tuple[list[int], list[int]]:
+    """[right, asked] over the validation queries (every training key-value count) whose pair
+    lies within `s.window` tokens of the query, and [right, asked] over the others: what a
+    model whose attention spans the window (Mela's memory-off twin at P*C = window) can and
+    cannot reach without a memory."""
+    inside, beyond = [0, 0], [0, 0]
+    for kv in s.train_kv:
+        correct, distance = mqar.answers(model, *mqar_suite.prompts(s, kv, s.train_len, s.val_prompts, seed, "validation"))
+        near = distance <= s.window
+        inside = [inside[0] + int(correct[near].sum()), inside[1] + int(near.sum())]
+        beyond = [beyond[0] + int(correct[~near].sum()), beyond[1] + int((~near).sum())]
+    return inside, beyond
+
+
 def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std: float | None,
         overrides: dict | None = None) -> dict:
     """One run of `row` (a suite row) at `seed` and `lr`, with a prefix of std `prefix_std`
@@ -68,10 +82,12 @@ def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std:
         return model if prefix_std is None else PrefixLM(model, s.width, prefix_std)
 
     model, record = mqar_suite.train_run(row, setting, seed, lr, build=build)
+    inside, beyond = validation_by_distance(model.eval(), setting, seed)
     return {"row": row, "prefix_std": prefix_std, "overrides": overrides, "seed": seed, "lr": lr,
             "steps": setting.steps, "parameters": sum(p.numel() for p in model.parameters()),
             "curve": [list(point) for point in record["curve"]], "val_accuracy": record["val_accuracy"],
-            "solved": record["val_accuracy"] >= SOLVED, "train_seconds": record["train_seconds"]}
+            "solved": record["val_accuracy"] >= SOLVED, "within_window": inside, "beyond_window": beyond,
+            "train_seconds": record["train_seconds"]}
 
 
 def run_all(row: str, setting: mqar_suite.Setting, seeds: list[int], lr: float, prefix_std: float | None,
