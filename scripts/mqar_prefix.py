@@ -12,7 +12,9 @@ the validation curve, the last validation accuracy and whether it reached 0.8 ("
 run already in `--out` is not repeated. Prints one line a run, then the solved count.
 `--summary` runs nothing: it prints every run in `--out` as a markdown table, each prefixed
 setting beside the same row without a prefix (solved counts, one-sided Fisher exact p).
-`--set FIELD=VALUE` overrides a config field of the row (VALUE read as JSON, else a string).
+`--set FIELD=VALUE` overrides a config field of the row (VALUE read as JSON, else a string);
+`--setting FIELD=VALUE` a field of the suite setting (e.g. window=16 mela_patch=8 mela_chunk=2:
+Mela's decoder chunks of 16 tokens, and the within / beyond split at 16).
 Bad input (an unknown row, a malformed --seeds or --set) prints one line and exits 2.
 """
 
@@ -43,7 +45,7 @@ def parse_overrides(items: list[str]) -> dict:
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise UserError(f"--set '{item}' needs the form FIELD=VALUE, e.g. --set patch_size=8")
+            raise UserError(f"'{item}' needs the form FIELD=VALUE, e.g. --set patch_size=8")
         try:
             overrides[name] = json.loads(value)
         except json.JSONDecodeError:
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-std", type=float, help="std of the learned prefix vector (omit: no prefix)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field of the row")
+    parser.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE", help="a field of the suite setting")
     parser.add_argument("--quick", action="store_true", help="the tiny setting the tests run")
     parser.add_argument("--out", type=Path, required=True, help="JSON-lines file the runs are appended to")
     parser.add_argument("--summary", action="store_true", help="print the runs in --out as a table; run nothing")
@@ -73,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError(f"{'unknown row ' + repr(args.row) if args.row else '--row is needed'}: "
                             f"choose from {', '.join(mqar_suite.ROWS)}")
         seeds, overrides = parse_seeds(args.seeds), parse_overrides(args.set)
-        setting = mqar_prefix.setting_with(args.steps, args.quick)
+        changes = parse_overrides(args.setting)
+        if args.steps is not None:
+            changes["steps"] = args.steps
+        setting = mqar_prefix.setting_with(args.quick, **changes)
         mqar_prefix.check_overrides(args.row, setting, overrides)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

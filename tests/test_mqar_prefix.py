@@ -67,6 +67,11 @@ def test_runs_are_recorded_once_each(tmp_path):
     again = mqar_prefix.run_all("transformer_full", QUICK, [1, 2], 3e-3, 0.02, {}, out, log=lambda line: None)
     assert again[0] == first[1]  # seed 1 read back, not retrained
     assert len(out.read_text().splitlines()) == 3
+    fewer_prompts = mqar_prefix.setting_with(True, val_prompts=2)
+    changed = mqar_prefix.run_all("transformer_full", fewer_prompts, [1], 3e-3, 0.02, {}, out, log=lambda line: None)
+    assert changed[0]["setting_changes"] == {"val_prompts": 2}  # another setting: a run of its own
+    assert sum(changed[0]["within_window"][1:] + changed[0]["beyond_window"][1:]) == 2 * sum(QUICK.train_kv)
+    assert len(out.read_text().splitlines()) == 4
 
 
 @pytest.mark.parametrize("args, message", [
@@ -75,6 +80,8 @@ def test_runs_are_recorded_once_each(tmp_path):
     (["--summary"], "does not exist"),
     (["--row", "mlp_lm", "--set", "bogus=1"], "refuses ['bogus']"),
     (["--row", "mlp_lm", "--seeds", "a-b"], "--seeds 'a-b'"),
+    (["--row", "mela", "--setting", "window=9"], "P * C must equal the window"),
+    (["--row", "mela", "--setting", "nope=1"], "unexpected keyword argument 'nope'"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     out = tmp_path / "runs.jsonl"

@@ -83,8 +83,8 @@ def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std:
 
     model, record = mqar_suite.train_run(row, setting, seed, lr, build=build)
     inside, beyond = validation_by_distance(model.eval(), setting, seed)
-    return {"row": row, "prefix_std": prefix_std, "overrides": overrides, "seed": seed, "lr": lr,
-            "steps": setting.steps, "parameters": sum(p.numel() for p in model.parameters()),
+    return {"row": row, "prefix_std": prefix_std, "overrides": overrides, "setting_changes": setting_changes(setting),
+            "seed": seed, "lr": lr, "steps": setting.steps, "parameters": sum(p.numel() for p in model.parameters()),
             "curve": [list(point) for point in record["curve"]], "val_accuracy": record["val_accuracy"],
             "solved": record["val_accuracy"] >= SOLVED, "within_window": inside, "beyond_window": beyond,
             "train_seconds": record["train_seconds"]}
@@ -93,12 +93,13 @@ def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std:
 def run_all(row: str, setting: mqar_suite.Setting, seeds: list[int], lr: float, prefix_std: float | None,
             overrides: dict, out: Path, log=print) -> list[dict]:
     """`run` for each seed, each record appended to the JSON-lines file `out` as it ends
-    (a seed already there with the same row, prefix, overrides, steps and lr is skipped)."""
+    (a seed already there with the same row, prefix, overrides, setting, steps and lr is skipped)."""
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    key = dict(row=row, prefix_std=prefix_std, overrides=overrides, steps=setting.steps, lr=lr)
+    key = dict(row=row, prefix_std=prefix_std, overrides=overrides, setting_changes=setting_changes(setting),
+               steps=setting.steps, lr=lr)
     records = []
     for seed in seeds:
-        previous = [r for r in done if r["seed"] == seed and all(r[k] == v for k, v in key.items())]
+        previous = [r for r in done if r["seed"] == seed and all(r.get(k, {}) == v for k, v in key.items())]
         record = previous[0] if previous else run(row, setting, seed, lr, prefix_std, overrides)
         if not previous:
             with out.open("a") as f:
@@ -116,7 +117,8 @@ def summary(records: list[dict]) -> str:
     prefix solves more often (stats.fisher_greater; "-" without such a line)."""
     groups: dict[str, dict] = {}
     for r in sorted(records, key=lambda r: (r["row"], r["steps"], r["prefix_std"] is not None, r["prefix_std"] or 0, r["seed"])):
-        setting = f"{r['row']} | {r['steps']} | {r['lr']:g} | {json.dumps(r['overrides']) if r['overrides'] else '-'}"
+        changes = {**r["overrides"], **{f"setting.{k}": v for k, v in r.get("setting_changes", {}).items()}}
+        setting = f"{r['row']} | {r['steps']} | {r['lr']:g} | {json.dumps(changes) if changes else '-'}"
         groups.setdefault(setting, {}).setdefault(r["prefix_std"], []).append(r)
     lines = ["| row | steps | lr | overrides | prefix std | validation accuracy by seed | solved (>= 0.8) | Fisher p, without > with |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -131,6 +133,17 @@ def summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def setting_with(steps: int | None, quick: bool) -> mqar_suite.Setting:
-    setting = mqar_suite.SETTINGS["quick" if quick else "full"]
-    return setting if steps is None else dataclasses.replace(setting, steps=steps)
+def setting_with(quick: bool, **changes) -> mqar_suite.Setting:
+    """The suite's full (or quick) setting with `changes` to its fields (steps, window,
+    mela_patch, ...); UserError naming a field it lacks or a combination it refuses."""
+    try:
+        return dataclasses.replace(mqar_suite.SETTINGS["quick" if quick else "full"], **changes)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"--setting {changes}: {e}") from None
+
+
+def setting_changes(setting: mqar_suite.Setting) -> dict:
+    """The fields `setting` changes from the suite setting of its name, steps aside (recorded apart)."""
+    base = mqar_suite.SETTINGS[setting.name]
+    return {f.name: getattr(setting, f.name) for f in dataclasses.fields(setting)
+            if f.name != "steps" and getattr(setting, f.name) != getattr(base, f.name)}
