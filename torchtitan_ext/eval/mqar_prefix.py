@@ -7,7 +7,11 @@ place of Mela's memory tokens (paper section 4.1). `PrefixLM` puts such a vector
 suite row, so the same question can be asked of the Transformer++ and the MLP-FFN LM: does
 the vector alone keep a model that learns MQAR without it from learning it within the
 suite's budget? Each run trains one row at one seed as the suite does (`mqar_suite.train_run`:
-its data, optimizer, schedule and validation prompts) and records the validation curve.
+its data, optimizer, schedule and validation prompts; `setting_with` changes the setting, e.g.
+the step count or Mela's chunk shape) and records the validation curve and the validation
+queries answered within and beyond the window. `summary` sets each prefixed setting beside the
+plain one (solved counts, one-sided Fisher exact p). Findings: docs/benchmarks.md "The learned
+prefix, tested".
 """
 
 from __future__ import annotations
