@@ -1,6 +1,6 @@
 """Does a learned prefix vector slow MQAR learning? One MQAR suite row trained at several seeds,
 with or without one learned vector before every sequence (torchtitan_ext/eval/mqar_prefix.py;
-the study behind docs/benchmarks.md "Initialisation and recall").
+the study behind docs/benchmarks.md "The learned prefix, tested").
 
     python scripts/mqar_prefix.py --row transformer_full --seeds 0-7 --prefix-std 0.02 --out runs.jsonl
     python scripts/mqar_prefix.py --row mela_memory_off --seeds 0,1 --steps 5400 \\
@@ -15,7 +15,8 @@ setting beside the same row without a prefix (solved counts, one-sided Fisher ex
 `--set FIELD=VALUE` overrides a config field of the row (VALUE read as JSON, else a string);
 `--setting FIELD=VALUE` a field of the suite setting (e.g. window=16 mela_patch=8 mela_chunk=2:
 Mela's decoder chunks of 16 tokens, and the within / beyond split at 16).
-Bad input (an unknown row, a malformed --seeds or --set) prints one line and exits 2.
+Bad input (no or an unknown --row, a malformed --seeds, a field --set or --setting cannot take,
+--summary of a missing file) prints one line and exits 2.
 """
 
 from __future__ import annotations

@@ -77,8 +77,6 @@ def format_summary(summary: dict, scale: float = 1.0, digits: int = 1) -> str:
     return text if summary["seeds"] == 1 else f"{text}; seeds {seeds}"
 
 
-__all__ = ["bootstrap", "seed_item_bootstrap", "summarize_seeds", "format_summary"]
-
 
 def fisher_greater(solved_a: int, runs_a: int, solved_b: int, runs_b: int) -> float:
     """One-sided Fisher exact test on a 2x2 table of counts (runs that succeeded in group a
@@ -91,3 +89,6 @@ def fisher_greater(solved_a: int, runs_a: int, solved_b: int, runs_b: int) -> fl
     tail = sum(math.comb(successes, k) * math.comb(total - successes, runs_a - k)
                for k in range(solved_a, min(successes, runs_a) + 1))
     return tail / tables
+
+
+__all__ = ["bootstrap", "seed_item_bootstrap", "summarize_seeds", "format_summary", "fisher_greater"]
