@@ -64,7 +64,7 @@ def validation_by_distance(model: torch.nn.Module, s: mqar_suite.Setting, seed: 
     """[right, asked] over the validation queries (every training key-value count) whose pair
     lies within `s.window` tokens of the query, and [right, asked] over the others: those no
     attention spanning `window` tokens reaches, so only a memory answers them. A chunk-local
-    decoder (Mela's, P*C = window) reaches only part of the first group: pairs in its own chunk.
+    decoder (Mela's, P*C = window) reaches only part of the first group: pairs in its own chunk."""
     inside, beyond = [0, 0], [0, 0]
     for kv in s.train_kv:
         correct, distance = mqar.answers(model, *mqar_suite.prompts(s, kv, s.train_len, s.val_prompts, seed, "validation"))
