@@ -20,6 +20,7 @@ from models.memory.neural_memory import (
     mlp_forward,
     NeuralMemory,
     NeuralMemoryConfig,
+    SURPRISE_BOUND,
     UpdateRule,
 )
 
@@ -56,8 +57,9 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
     taken at the weights before the chunk; then either the per-token scan
     S = eta_t S - theta_t u_t, M = (1 - alpha_t) M + S (gates="token"), or one step
     S = mean(eta) S - sum theta_t u_t, M = (1 - mean(alpha)) M + [NS](S) (gates="chunk").
-    With `max_update_norm` each chunk's additions to M and S by its gradients (the token scan
-    run from a zero state; the chunk rule's sum) are scaled to Frobenius norm <= the bound."""
+    With `max_update_norm` b each chunk's additions to M and S by its gradients (the token scan
+    run from a zero state; the chunk rule's sum) are scaled to Frobenius norm <= b times the
+    sum of the weights of the surprises in it (the same scan with every surprise 1)."""
     cfg = memory.cfg
     inner = cfg.n_heads * cfg.head_dim
     projected = x @ memory.to_qkv.weight.T  # (B, T, 3 * inner)
@@ -91,9 +93,9 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                 inp = F.silu(inp)
         return inp
 
-    def clip(g):  # the surprise bound (`max_update_norm`): a chunk's gradient sum scaled to norm <= bound
-        bound = cfg.max_update_norm
-        return g * min(1.0, bound / torch.linalg.matrix_norm(g).item()) if bound else g
+    def clip(g, weight_sum):  # the surprise bound: a chunk's sum of weighted surprises scaled to norm <= bound * weights
+        limit = cfg.surprise_bound * float(weight_sum)
+        return g * min(1.0, limit / torch.linalg.matrix_norm(g).item()) if cfg.surprise_bound else g
 
     out = torch.zeros(x.shape[0], x.shape[1], cfg.n_heads, cfg.head_dim)
     for b, h in itertools.product(range(x.shape[0]), range(cfg.n_heads)):
@@ -118,15 +120,20 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                         weights = [(1 - alpha[b, t, h]) * w + s for w, s in zip(weights, momentum)]
                     return weights, momentum
 
-                if cfg.max_update_norm:  # the scan is linear: old state's share + the chunk's sums, each clipped
+                if cfg.surprise_bound:  # the scan is linear: old state's share + the chunk's sums, each clipped
                     zeros = {t: [torch.zeros_like(w) for w in weights] for t in tokens}
                     kept = scan(weights, momentum, zeros)
                     added = scan(zeros[start], zeros[start], grads)
-                    weights, momentum = ([a + clip(g) for a, g in zip(*pair)] for pair in zip(kept, added))
+                    # each sum's total weight: the same scan of a surprise of 1 from a zero state
+                    totals = [-t[0] for t in scan([torch.tensor(0.0)], [torch.tensor(0.0)],
+                                                  {t: [torch.tensor(1.0)] for t in tokens})]
+                    weights, momentum = ([a + clip(g, total) for a, g in zip(*pair)]
+                                         for pair, total in zip(zip(kept, added), totals))
                 else:
                     weights, momentum = scan(weights, momentum, grads)
             else:
-                summed = [clip(sum(theta[b, t, h] * grads[t][i] for t in tokens)) for i in range(len(weights))]
+                summed = [clip(sum(theta[b, t, h] * grads[t][i] for t in tokens), sum(theta[b, t, h] for t in tokens))
+                          for i in range(len(weights))]
                 eta_c, alpha_c = eta[b, list(tokens), h].mean(), alpha[b, list(tokens), h].mean()
                 momentum = [eta_c * s - g for s, g in zip(momentum, summed)]
                 step = [newton_schulz_reference(s, cfg.newton_schulz_steps) if cfg.newton_schulz_steps else s for s in momentum]
@@ -167,8 +174,32 @@ def test_chunked_path_equals_token_by_token_reference(case):
     y = memory(x)[0]  # with grad: `checkpoint_chunks` recomputes only when autograd records
     with torch.no_grad():
         torch.testing.assert_close(y, reference(memory, x), rtol=0, atol=1e-10)
-    if memory.cfg.max_update_norm:
+    if case.get("max_update_norm"):
         assert 0 < memory.last_stats["clipped_share"] < 1  # the bound acts on some sums, not all
+
+
+@pytest.mark.parametrize("case", TOKEN_CASES + CHUNK_CASES + LAYER_CASES + READ_AFTER_WRITE_CASES,
+                         ids=lambda c: "-".join(f"{k[:3]}{v if isinstance(v, str) else int(v)}" for k, v in c.items()))
+def test_the_default_surprise_bound_changes_nothing_where_updates_are_small(case):
+    """Issue 46: on every reference case (float64, lively gates) at max_lr 0.1, ten times the
+    default, the default bound clips no sum, and outputs, final weights and gradients equal the
+    unbounded memory's (within 1e-6; in fact bit for bit). At the reference cases' own max_lr 0.5
+    the depth-2 memories diverge even in float64 (a chunk's weighted mean surprise norm reaches
+    1e37-1e68): there the bound acts, and `test_chunked_path_equals_token_by_token_reference`
+    checks it against the reference's bounded rule. With Newton-Schulz the default is no bound."""
+    def fwd_bwd_18(memory):  # 18 tokens: whole chunks for the read-after-write cases
+        y, state = memory(torch.randn(2, 18, 12, generator=torch.Generator().manual_seed(0)))
+        y.square().sum().backward()
+        return [y.detach(), *state.weights] + [p.grad for p in memory.parameters()]
+
+    bounded = make_memory(max_lr=0.1, **case)
+    assert bounded.cfg.max_update_norm is None
+    assert bounded.cfg.surprise_bound == (0.0 if case.get("newton_schulz_steps") else SURPRISE_BOUND)
+    want = fwd_bwd_18(make_memory(max_lr=0.1, max_update_norm=0.0, **case))
+    got = fwd_bwd_18(bounded)
+    assert bounded.last_stats.get("clipped_share", 0) == 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_token_and_chunk_gates_agree_at_chunk_one_and_differ_beyond():
@@ -347,25 +378,28 @@ def test_compiled_chunk_step_matches_eager(gates):
 
 
 def test_surprise_bound_clips_each_weighted_gradient_sum_to_its_norm():
-    """`clip_surprise` against a loop over (batch row, head, weighting) with torch.linalg.norm."""
+    """`clip_surprise` against a loop over (batch row, head, weighting) with torch.linalg.norm:
+    each sum G = sum_t w_t u_t / 2 scaled to norm <= bound * sum_t |w_t| / 2."""
     grads = [torch.randn(2, 3, 2, 4, 5) * 3, torch.randn(2, 3, 2, 5, 4) * 0.1]  # (B, H, K, in, out)
+    token_weights = torch.randn(2, 3, 6, 2)  # (B, H, C, K), signed as the per-token rule's
     bound = 2.0
-    clipped, count = clip_surprise(grads, bound)
+    clipped, count = clip_surprise(grads, bound, token_weights)
     expected_count = 0
     for g, c in zip(grads, clipped):
         for b, h, k in itertools.product(range(2), range(3), range(2)):
             norm = torch.linalg.matrix_norm(g[b, h, k]).item()
-            torch.testing.assert_close(c[b, h, k], g[b, h, k] * min(1.0, bound / norm))
-            expected_count += norm > bound
+            limit = bound * token_weights[b, h, :, k].abs().sum().item() / 2
+            torch.testing.assert_close(c[b, h, k], g[b, h, k] * min(1.0, limit / norm))
+            expected_count += norm > limit
     assert count.item() == expected_count and 0 < expected_count < 24
-    unchanged, none = clip_surprise(grads, 0.0)
+    unchanged, none = clip_surprise(grads, 0.0, token_weights)
     assert unchanged is grads and none is None
 
 
 @pytest.mark.parametrize("gates", ["token", "chunk"])
 def test_a_surprise_bound_above_every_norm_changes_nothing(gates):
     extra = dict(gates="chunk", newton_schulz_steps=5) if gates == "chunk" else {}
-    free, bounded = make_memory(**extra), make_memory(max_update_norm=1e6, **extra)
+    free, bounded = make_memory(max_update_norm=0.0, **extra), make_memory(max_update_norm=1e6, **extra)
     for a, b in zip(fwd_bwd(free), fwd_bwd(bounded)):
         assert torch.equal(a, b)
     assert bounded.last_stats["clipped_share"] == 0 and "clipped_share" not in free.last_stats

@@ -160,7 +160,7 @@ def step_ops(seq_len: int, whole_sequence: bool, **memory) -> collections.Counte
     hidden 256, chunk 64), batch 2, on the meta device."""
     with torch.device("meta"):
         layer = NeuralMemory(NeuralMemoryConfig(dim=128, n_heads=2, head_dim=64, chunk_size=64,
-                                                whole_sequence=whole_sequence, **memory))
+                                                whole_sequence=whole_sequence, **{"max_update_norm": 0.0} | memory))
         x = torch.randn(2, seq_len, 128, requires_grad=True)
     with OpCounter() as counter:
         y, _ = layer(x)
@@ -207,7 +207,7 @@ def test_whole_sequence_layer_matches_chunk_loop(name):
     torch.manual_seed(0)
     memory = LAYERS[name]
     layers = [NeuralMemory(NeuralMemoryConfig(dim=32, n_heads=2, head_dim=16, chunk_size=8, whole_sequence=whole,
-                                              **memory)) for whole in (False, True)]
+                                              max_update_norm=0.0, **memory)) for whole in (False, True)]
     layers[1].load_state_dict(layers[0].state_dict())
     exact = NeuralMemory(layers[0].cfg).double()
     exact.load_state_dict(layers[0].state_dict())
@@ -223,16 +223,18 @@ def test_whole_sequence_layer_matches_chunk_loop(name):
 
 
 def test_whole_sequence_falls_back_with_reason():
-    """A float64 state (and a surprise bound) cannot take the kernels: the layer warns with the
-    reason and runs the chunk loop, equal bit for bit to a layer without the option."""
+    """A float64 state, or the default surprise bound, cannot take the kernels: the layer warns
+    with the reason and runs the chunk loop, equal bit for bit to a layer without the option."""
     torch.manual_seed(0)
-    layers = [NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, whole_sequence=w)).double()
-              for w in (False, True)]
-    layers[1].load_state_dict(layers[0].state_dict())
-    x = torch.randn(1, 8, 16, dtype=torch.float64)
-    with pytest.warns(UserWarning, match="whole-sequence memory path not taken.*float32"):
-        y_whole, _ = layers[1](x)
-    assert torch.equal(y_whole, layers[0](x)[0])
+    for bound, dtype, reason in ((0.0, torch.float64, "float32"), (None, torch.float32, "surprise bound")):
+        bound = {} if bound is None else dict(max_update_norm=bound)
+        layers = [NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, whole_sequence=w,
+                                                  **bound)).to(dtype) for w in (False, True)]
+        layers[1].load_state_dict(layers[0].state_dict())
+        x = torch.randn(1, 8, 16, dtype=dtype)
+        with pytest.warns(UserWarning, match=f"whole-sequence memory path not taken.*{reason}"):
+            y_whole, _ = layers[1](x)
+        assert torch.equal(y_whole, layers[0](x)[0])
     s1, s2, q, k, v, tw, gates = inputs(1, 1, 2, 8, 16, 32, 0)
     assert "depth 1" in refusal((s1,), q, k, v, tw, gates, 0)
     assert "gates has shape" in refusal((s1, s2), q, k, v, tw, gates[..., 0], 0)

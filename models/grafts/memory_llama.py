@@ -145,12 +145,15 @@ THESIS_MEMORY = dict(init="thesis", update="titans", chunk_size=1, depth=3, resi
 
 
 def memory_config(dim: int, cfg: MemoryLlamaConfig) -> NeuralMemoryConfig:
-    """The thesis' memory for a block of width `dim` (module docstring)."""
+    """The thesis' memory for a block of width `dim` (module docstring), without the Titans
+    memory's default surprise bound (`max_update_norm` 0): the thesis has none, and its
+    memories are one head of the model's width, where the bound's calibration (heads of 32-64)
+    does not carry."""
     rule = dict(gates="chunk", newton_schulz_steps=5, step_scale=cfg.step_scale) if cfg.update == "muon" else {}
     return NeuralMemoryConfig(dim=dim, n_heads=1, head_dim=dim, depth=cfg.depth, expansion=cfg.expansion,
                               residual=cfg.residual, chunk_size=cfg.chunk_size, conv_kernel=0, output_norm=False,
                               output_gate=False, output_proj=cfg.output_proj, read_after_write=cfg.read_after_write,
-                              max_lr=cfg.max_lr, **rule)
+                              max_lr=cfg.max_lr, max_update_norm=0.0, **rule)
 
 
 def memory_llama_flops(cfg, seq_len: int) -> tuple[float, float]:

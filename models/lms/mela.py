@@ -98,10 +98,12 @@ MEMORY_CHAINS = ("per_step", "per_block")
 
 def mela_memory(**overrides) -> NeuralMemoryConfig:
     """Mela's neural-memory options (module docstring), the fields MelaConfig sets left unset
-    (`MelaConfig.block_memory`); `overrides` set any other field."""
+    (`MelaConfig.block_memory`); `overrides` set any other field. No surprise bound
+    (`max_update_norm` 0, the Titans memory's default being 20): the paper has none and its
+    Newton-Schulz step is orthogonalised, so its norm is bounded by construction."""
     return NeuralMemoryConfig(**dict(gates="chunk", conv_kernel=0, value_silu=False, output_norm=False,
-                                     output_gate=False, chunk_size=None, newton_schulz_steps=None, step_scale=None,
-                                     read_after_write=None) | overrides)
+                                     output_gate=False, max_update_norm=0.0, chunk_size=None, newton_schulz_steps=None,
+                                     step_scale=None, read_after_write=None) | overrides)
 
 
 @dataclass

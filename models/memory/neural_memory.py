@@ -81,27 +81,49 @@ Choices where the papers are silent (tested):
   kept for the backward, which recomputes the rest from it (`compiled_chunk_step` does not
   apply to it). Under bf16 autocast its fast-weight products take bf16 operands, as autocast
   gives the chunk loop's matmuls; the state and its update stay fp32. Depth 2,
-  float32 state, no `max_update_norm`, a CUDA device (TRITON_INTERPRET=1 on CPU); anything
+  float32 state, `max_update_norm` 0 (the kernels have no surprise bound), a CUDA device (TRITON_INTERPRET=1 on CPU); anything
   else runs the chunk loop after a warning naming why. Off by default until a GPU measures it faster.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
-- `max_update_norm = b > 0` bounds the surprise (off by default: Titans has no bound). It
-  modifies the surprise term of thesis eq. 2.39 as the chunked step applies it: each weighted
-  sum of a chunk's per-token gradients that is added to the state is scaled to Frobenius norm
-  at most b (`clip_surprise`), separately per batch row, head and weight matrix. The chunk
-  rule has one such sum, G = sum_t theta_t u_t, clipped before the momentum (S = eta S - G);
-  the per-token rule has two, the chunk's addition to the momentum,
-  sum_i theta_i (prod_{i<j<=C} eta_j) u_i, and to the weights,
-  sum_i theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j) u_i (the unrolled sums above), each
-  clipped. Why this quantity: a sum is what the chunked path materialises (clipping each
-  token's u_t would need the C per-token gradients the fused sums avoid); per row and head
-  because each is an independent memory (one outlier sequence must not shrink another's
-  writes); per matrix because the layers' gradient scales differ; the Frobenius norm because
-  it bounds the spectral norm (a chunk's surprise moves each layer's output by at most b per
-  unit of input norm; queries and keys are unit vectors), and with a chunk's momentum decay
-  prod eta < 1 the momentum's norm stays below b / (1 - prod eta). A bound above every norm
-  changes nothing bit for bit (the scale is exactly 1); the share of sums clipped in the
-  last forward is `last_stats["clipped_share"]`.
+- `max_update_norm = b` bounds the surprise; None (the default) means b = SURPRISE_BOUND = 20 for
+  the plain-gradient rules and 0 (off) with Newton-Schulz, whose step NS(S) is orthogonalised,
+  so its norm does not grow with the surprise's (`surprise_bound`). Titans has no bound; 0
+  turns it off. Why on by default (issue 46): the per-token rule takes a chunk's C
+  gradients at the chunk-start weights, so one chunk is a gradient step of size about
+  C theta / (1 - eta) on the associative loss, whose curvature grows with the fast weights
+  (the hidden activations silu(k W_1) grow with W_1). The outer training grows the learned
+  initial weights (MQAR, titans_mal, width 64, T 128, chunk 16, lr 1e-2: the second layer's
+  fast-weight norm 7.5 -> 39 in 24 steps while its mean theta fell 0.005 -> 0.0016 and eta
+  0.48 -> 0.13), until the step passes the stable range; then the surprise grows geometrically
+  from chunk to chunk inside one forward (its weighted mean norm ~10 for 80 steps, 14 at step
+  80, inf at step 83) and the loss is NaN. The outer gradient clip cannot prevent it: it acts
+  after the forward. docs/benchmarks.md "Titans memory finite by default".
+  What is bounded: the surprise term of thesis eq. 2.39 as the chunked step applies it. Each
+  weighted sum of a chunk's per-token gradients that is added to the state,
+  G = sum_t w_t u_t (u_t = grad l(M; k_t, v_t), the surprise), is scaled so that
+  ||G||_F <= b sum_t |w_t| (`clip_surprise`): the weighted mean of the chunk's surprise norms is
+  at most b, whatever the gates' step (theta, eta, alpha) and the chunk size, which keep their
+  paper meaning. Separately per batch row, head and weight matrix. The chunk rule has one such
+  sum, G = sum_t theta_t u_t, clipped before the momentum (S = eta S - G); the per-token rule
+  has two, the chunk's addition to the momentum, sum_i theta_i (prod_{i<j<=C} eta_j) u_i, and to
+  the weights, sum_i theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j) u_i (the unrolled sums above),
+  each clipped. Why this quantity: a sum is what the chunked path materialises (clipping each
+  token's u_t would need the C per-token gradients the fused sums avoid); relative to the sum
+  of the weights so the bound is one of the surprise, not of the step (a bound on ||G|| itself
+  would tighten as C, theta or 1 / (1 - eta) grow); per row and head because each is an
+  independent memory (one outlier sequence must not shrink another's writes); per matrix
+  because the layers' gradient scales differ; the Frobenius norm because it bounds the
+  spectral norm. With it a chunk adds at most b sum_t |w_t| to each matrix, so the state grows
+  at most linearly over a sequence instead of geometrically: finite. Why 20: healthy runs
+  stay below it (the weighted mean surprise norm was at most 8.3 over MQAR runs of LMM, MAC,
+  MAG and MAL at widths 64 and 128, chunks 16 and 64; 10-11 in the MAL run above before it
+  diverged), and a divergence passes any fixed bound within a few chunks. A bound above every
+  norm changes nothing bit for bit (the scale is exactly 1); the share of sums clipped in the
+  last forward is `last_stats["clipped_share"]`, which the training log reports
+  (torchtitan_ext/training/trainer.py). The fused token step and the whole-sequence kernels
+  have no bound: they run only with `max_update_norm = 0` (and fall back to the chunk loop
+  with a warning otherwise). Mela and MemoryLlama set 0: Mela's Newton-Schulz step is
+  orthogonalised (bounded by construction), MemoryLlama is the thesis' block as printed.
 """
 
 from __future__ import annotations
@@ -128,6 +150,8 @@ from kernels.whole_sequence import whole_sequence_memory
 GATE_RULES = ("token", "chunk")
 # the fields an owning model may leave None in its nested memory config and set (`filled_by`)
 OWNER_FIELDS = ("dim", "n_heads", "head_dim", "chunk_size", "newton_schulz_steps", "step_scale", "read_after_write")
+# The default bound on a chunk's weighted mean surprise norm (`max_update_norm`, module docstring).
+SURPRISE_BOUND = 20.0
 FORGET_LOGIT_OFFSET = -4.0  # alpha = sigmoid(logit - 4): a fresh memory forgets ~1.8% per token
 
 
@@ -163,7 +187,7 @@ class NeuralMemoryConfig:
     qk_norm: bool = True
     learned_init: bool = True
     max_lr: float = 0.01
-    max_update_norm: float = 0.0  # > 0: bound on each chunk's surprise (module docstring); 0 = unbounded
+    max_update_norm: float | None = None  # bound on each chunk's mean surprise norm; None: `surprise_bound`; 0: off
 
     def __post_init__(self):
         if self.gates not in GATE_RULES:
@@ -174,7 +198,7 @@ class NeuralMemoryConfig:
         if self.step_scale not in (None, 1.0) and self.gates != "chunk":
             raise ValueError(f"step_scale {self.step_scale} scales the one step per chunk: set gates='chunk' "
                              "(per-token updates take their step size from theta)")
-        if self.conv_kernel < 0 or self.checkpoint_chunks < 0 or self.max_update_norm < 0:
+        if self.conv_kernel < 0 or self.checkpoint_chunks < 0 or (self.max_update_norm or 0) < 0:
             raise ValueError("conv_kernel, checkpoint_chunks and max_update_norm must be >= 0")
         if not self.output_proj and None not in (self.n_heads, self.head_dim) and self.n_heads * self.head_dim != self.dim:
             raise ValueError(f"a memory without output projection reads n_heads * head_dim = "
@@ -192,6 +216,14 @@ class NeuralMemoryConfig:
                 raise ValueError(f"memory.{name} = {mine} conflicts with {owner}'s {value}: {owner} sets it; "
                                  f"leave memory.{name} unset and change {owner}'s own field")
         return dataclasses.replace(self, **values)
+
+    @property
+    def surprise_bound(self) -> float:
+        """The bound in force (module docstring, `max_update_norm`): the field when set, else
+        SURPRISE_BOUND for the plain-gradient rules and 0 with Newton-Schulz."""
+        if self.max_update_norm is not None:
+            return self.max_update_norm
+        return 0.0 if self.newton_schulz_steps else SURPRISE_BOUND
 
     def unset_fields(self) -> list[str]:
         """The owner-settable fields still None (a memory cannot be built with any)."""
@@ -308,17 +340,25 @@ def chunk_gates(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tens
     return token_weights, mix.unflatten(-1, (2, 2))
 
 
-def clip_surprise(grads, bound: float):
-    """Each weighted gradient sum of `grads` (tensors (B, H, K, in, out)) scaled to Frobenius
-    norm at most `bound` over (in, out). Returns (grads, number of sums clipped as a 0-dim
-    float tensor); bound 0: (grads unchanged, None), no op added to the step."""
+def clip_surprise(grads, bound: float, token_weights: torch.Tensor):
+    """Each weighted gradient sum of `grads` (tensors (B, H, K, in, out)), G = sum_t w_t u_t / 2
+    (`associative_grads`: u_t the token's surprise, the gradient of its loss, w_t its weight in
+    `token_weights` (B, H, C, K)), scaled so that ||G||_F <= bound * sum_t |w_t| / 2: the
+    weighted mean of the chunk's surprise norms at most `bound` (module docstring,
+    `max_update_norm`). Returns (grads, number of sums clipped as a 0-dim float tensor);
+    bound 0: (grads unchanged, None), no op added to the step."""
     if not bound:
         return grads, None
+    total = token_weights.abs().sum(-2)  # (B, H, K): sum_t |w_t|, so the limit needs no division by it
+    limit = (0.5 * bound * total).clamp_min(torch.finfo(total.dtype).tiny)[..., None, None]
     clipped, count = [], grads[0].new_zeros(())
     for g in grads:
         norm = g.flatten(-2).norm(dim=-1)[..., None, None]  # (B, H, K, 1, 1)
-        clipped.append(g * (bound / norm.clamp_min(bound)))
-        count = count + (norm > bound).sum()
+        over = norm > limit
+        # where, not limit / max(norm, limit): an unclipped sum is multiplied by an exact 1 with
+        # no gradient to the limit or the norm, so forward and backward equal the unbounded ones
+        clipped.append(g * torch.where(over, limit.to(norm.dtype) / norm.clamp_min(limit.to(norm.dtype)), 1.0))
+        count = count + over.sum()
     return clipped, count
 
 
@@ -366,7 +406,8 @@ def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule
     (y_c, new state, surprise sums clipped (0-dim; None without a bound))."""
     fused = rule.backend if rule.gates == "token" else None  # "auto" resolved once per call (`chunked_memory`)
     if fused in FUSED_TOKEN_STEP_BACKENDS:  # kernels/token_step.py (UpdateRule)
-        refusal = "read_after_write" if rule.read_after_write else "max_update_norm > 0" if rule.max_update_norm else \
+        refusal = "read_after_write" if rule.read_after_write else \
+            "max_update_norm > 0 (the fused step has no surprise bound: set it to 0 to take it)" if rule.max_update_norm else \
             token_step_refusal(fused, state, q_c, k_c, v_c, token_weights_c, decays_c)
         if refusal is None:
             return (*token_chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule.residual, fused), None)
@@ -381,7 +422,7 @@ def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule
         saved = [(k_c if i == 0 else inp[:, :, size:], pre[:, :, size:]) for i, (inp, pre) in enumerate(saved_both)]
         y_c, out_k = both.unflatten(2, (2, size)).unbind(2)
     grads, clipped = clip_surprise(associative_grads(weights, saved, out_k, v_c, token_weights_c),
-                                   rule.max_update_norm)
+                                   rule.max_update_norm, token_weights_c)
     if rule.gates == "token":
         state = token_scan_update(state, grads, decays_c)
     else:
@@ -453,7 +494,8 @@ def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: Upda
     or None with a warning naming why it cannot (then the caller runs the chunk loop).
     Returns (reads (B, H, N, C, d), final stacked state)."""
     token_weights, gates = sequence_gates(*chunk_gates(theta, log_eta, log_keep, rule.gates), rule)
-    reason = "max_update_norm > 0 (the kernels have no surprise bound)" if rule.max_update_norm else \
+    reason = "max_update_norm > 0 (the kernels have no surprise bound: set it to 0 to take them)" \
+        if rule.max_update_norm else \
         whole_sequence_refusal(stacked, q, k, v, token_weights, gates, rule.ns_steps)
     if reason is not None:
         if not torch.compiler.is_compiling():
@@ -642,7 +684,7 @@ class NeuralMemory(nn.Module):
         new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
         rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale,
-                          cfg.residual, cfg.max_update_norm, cfg.whole_sequence)
+                          cfg.residual, cfg.surprise_bound, cfg.whole_sequence)
         y, state, clipped_share = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule,
                                                  cfg.compiled_chunk_step, cfg.checkpoint_chunks)
         self._note_stats(start_weights, state, new[2:], clipped_share)
@@ -670,8 +712,15 @@ class NeuralMemory(nn.Module):
 
 def use_whole_sequence(model: nn.Module, enabled: bool = True) -> int:
     """Switch every `NeuralMemory` of `model` onto the whole-sequence path (`enabled`) or off
-    it, as `NeuralMemoryConfig.whole_sequence` would have built it. Returns how many were switched."""
+    it, as `NeuralMemoryConfig.whole_sequence` would have built it. Returns how many were switched.
+    Switching on also sets `max_update_norm` to 0, with one warning where a memory had a bound:
+    the kernels have no surprise bound (module docstring), so the path runs unbounded."""
     memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]
+    bounded = sum(bool(m.cfg.surprise_bound) for m in memories) if enabled else 0
     for memory in memories:
-        memory.cfg = dataclasses.replace(memory.cfg, whole_sequence=enabled)
+        memory.cfg = dataclasses.replace(memory.cfg, whole_sequence=enabled,
+                                         max_update_norm=0.0 if enabled else memory.cfg.max_update_norm)
+    if bounded:
+        warnings.warn(f"whole-sequence path: the surprise bound of {bounded} memories is off (max_update_norm 0): "
+                      "the kernels have none", stacklevel=2)
     return len(memories)

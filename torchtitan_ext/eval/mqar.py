@@ -17,6 +17,7 @@ run stops early (`nonfinite_step`) when the loss or a parameter stops being fini
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -137,16 +138,27 @@ class Run:
 
 def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int, lr: float = 3e-3, batch_size: int = 64,
           eval_every: int = 250, eval_size: int = 256, seed: int = 0, weight_decay: float = 0.1,
-          warmup_fraction: float = 0.1) -> Run:
-    """AdamW (0.9, 0.95, weight decay 0.1 as the paper recipes; lr constant after a linear
+          warmup_fraction: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), clip_norm: float = 0.0,
+          cosine_steps: int = 0, after_step: Callable[[int, float], bool] | None = None) -> Run:
+    """AdamW (betas (0.9, 0.95), weight decay 0.1 as the paper recipes; lr constant after a linear
     warmup over `warmup_fraction` of the steps), `steps` steps on fresh batches, accuracy on
     one held-out batch (its own seed) every `eval_every` steps and at the end. `task` may be
-    several settings of one length (`mixed_batch`: each batch and the held-out one mix them)."""
+    several settings of one length (`mixed_batch`: each batch and the held-out one mix them).
+    `clip_norm` > 0 clips the gradients' total norm; `cosine_steps` > 0 decays the lr by a cosine
+    to 0 over that many steps after the warmup (the warmup then spans `warmup_fraction` of
+    them); `after_step(step, loss)` runs after each update and returning True marks the step
+    non-finite and stops the run (e.g. a memory state that left the finite range)."""
     generator = torch.Generator().manual_seed(seed)
     held_out = mixed_batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    warmup = max(1, int(steps * warmup_fraction))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    warmup = max(1, int((cosine_steps or steps) * warmup_fraction))
+
+    def factor(s: int) -> float:
+        if s < warmup or not cosine_steps:
+            return min(1.0, (s + 1) / warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, cosine_steps - warmup))))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     run = Run()
     for step in range(1, steps + 1):
         inputs, targets = mixed_batch(task, batch_size, generator)
@@ -154,11 +166,14 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         optimizer.step()
         schedule.step()
         run.last_loss = loss.item()
         finite = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()  # one host sync, not one a tensor
-        if not math.isfinite(run.last_loss) or not finite.item():
+        stop = after_step(step, run.last_loss) if after_step is not None else False
+        if not math.isfinite(run.last_loss) or not finite.item() or stop:
             run.nonfinite_step = step
             break
         if step % eval_every == 0 or step == steps:

@@ -29,6 +29,30 @@ class GuardedTrainingConfig(TrainingConfig):
     applied) before the run stops with exit code 3; 0 stops at the first."""
 
 
+NORM_JUMP = 2.0  # a fast-weight norm that grows more than this factor between two logged steps is reported
+
+
+def memory_events(step: int, metrics: dict[str, float], previous_norms: dict[str, float]) -> tuple[str | None, dict]:
+    """The one console line of a logged step's memory events, from its `memory/...` diagnostics:
+    the layers whose surprise bound clipped in the last forward (`clipped_share` > 0, the models'
+    `max_update_norm`) and those whose fast-weight norm (`weight_norm`) is not finite or grew
+    more than NORM_JUMP times since the previous logged step (`previous_norms`, by layer).
+    Returns (the line or None, the norms to pass next time)."""
+    clipped, jumped, norms = [], [], {}
+    for key, value in metrics.items():
+        layer, _, name = key.removeprefix("memory/").rpartition("/")
+        if name == "clipped_share" and value > 0:
+            clipped.append(f"{layer} ({100 * value:.2g}% of sums)")
+        elif name == "weight_norm":
+            norms[layer] = value
+            before = previous_norms.get(layer)
+            if value != value or value in (float("inf"), float("-inf")) or (before and value > NORM_JUMP * before):
+                jumped.append(f"{layer} ({before:.4g} -> {value:.4g})" if before else f"{layer} ({value:.4g})")
+    parts = ([f"surprise clipped in {', '.join(clipped)}"] if clipped else []) + \
+        ([f"fast-weight norm jumped in {', '.join(jumped)}"] if jumped else [])
+    return (f"step {step}: memory " + "; ".join(parts) if parts else None), norms
+
+
 class NonFiniteSteps(RuntimeError):
     """`max_nonfinite_skips` + 1 steps in a row had a non-finite loss or gradient."""
 
@@ -37,7 +61,8 @@ class MemoryTrainer(Trainer):
     """After each logged step, logs the `memory/...` diagnostics of families that have them
     (`Family.diagnostics`: Titans' `memory_diagnostics`, Mela's `mela_diagnostics`) to
     wandb/TensorBoard, and a one-line summary (each statistic averaged over layers) to the
-    console. Values come from rank 0's last micro-batch. On SIGTERM (any rank), every rank
+    console, preceded by a warning line naming the layers whose surprise bound clipped or whose
+    fast-weight norm jumped (`memory_events`), when any did. Values come from rank 0's last micro-batch. On SIGTERM (any rank), every rank
     stops after the same finished step and a full checkpoint of it is written.
 
     Non-finite guard: before the optimizer step the ranks agree (one all-reduce of two scalars) on
@@ -68,6 +93,7 @@ class MemoryTrainer(Trainer):
         self.skipped_nonfinite_steps = 0
         self._nonfinite_streak: list[int] = []
         self._loss_finite = torch.tensor(True)
+        self._memory_norms: dict[str, float] = {}  # fast-weight norms by layer at the last logged step
         self.optimizers.step = self._optimizer_step_if_finite
         self.lr_schedulers.step = self._applied_steps_only(self.lr_schedulers.step)
         self.checkpointer.save = self._applied_steps_only(self.checkpointer.save)
@@ -145,6 +171,9 @@ class MemoryTrainer(Trainer):
         if not metrics:
             return
         self.metrics_processor.logger.log(metrics, self.step)
+        event, self._memory_norms = memory_events(self.step, metrics, self._memory_norms)
+        if event:
+            logger.warning(event)
         summary = {}
         for key, value in metrics.items():
             summary.setdefault(key.rsplit("/", 1)[1], []).append(value)
