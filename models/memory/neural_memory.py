@@ -107,7 +107,9 @@ Choices where the papers are silent (tested):
   sum, G = sum_t theta_t u_t, clipped before the momentum (S = eta S - G); the per-token rule
   has two, the chunk's addition to the momentum, sum_i theta_i (prod_{i<j<=C} eta_j) u_i, and to
   the weights, sum_i theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j) u_i (the unrolled sums above),
-  each clipped. Why this quantity: a sum is what the chunked path materialises (clipping each
+  each clipped. The scale s = limit / max(||G||, limit) is exactly 1 where a sum is within its
+  limit, and a constant in backward (d(sG)/dG = s, as a gradient clip's): forward and backward
+  equal the unbounded memory's wherever nothing is clipped. Why this quantity: a sum is what the chunked path materialises (clipping each
   token's u_t would need the C per-token gradients the fused sums avoid); relative to the sum
   of the weights so the bound is one of the surprise, not of the step (a bound on ||G|| itself
   would tighten as C, theta or 1 / (1 - eta) grow); per row and head because each is an
@@ -340,26 +342,26 @@ def chunk_gates(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tens
     return token_weights, mix.unflatten(-1, (2, 2))
 
 
-def clip_surprise(grads, bound: float, token_weights: torch.Tensor):
+def surprise_limit(token_weights: torch.Tensor, bound: float) -> torch.Tensor:
+    """The norm each weighted gradient sum may reach (module docstring, `max_update_norm`):
+    token_weights (..., C, K) -> (..., K) = bound * sum_t |w_t| / 2 (the sum's weights of the
+    surprises, `associative_grads`), at least the dtype's smallest normal number."""
+    total = token_weights.abs().sum(-2)
+    return (0.5 * bound * total).clamp_min(torch.finfo(total.dtype).tiny)
+
+
+def clip_surprise(grads, limit: torch.Tensor):
     """Each weighted gradient sum of `grads` (tensors (B, H, K, in, out)), G = sum_t w_t u_t / 2
-    (`associative_grads`: u_t the token's surprise, the gradient of its loss, w_t its weight in
-    `token_weights` (B, H, C, K)), scaled so that ||G||_F <= bound * sum_t |w_t| / 2: the
-    weighted mean of the chunk's surprise norms at most `bound` (module docstring,
-    `max_update_norm`). Returns (grads, number of sums clipped as a 0-dim float tensor);
-    bound 0: (grads unchanged, None), no op added to the step."""
-    if not bound:
-        return grads, None
-    total = token_weights.abs().sum(-2)  # (B, H, K): sum_t |w_t|, so the limit needs no division by it
-    limit = (0.5 * bound * total).clamp_min(torch.finfo(total.dtype).tiny)[..., None, None]
-    clipped, count = [], grads[0].new_zeros(())
-    for g in grads:
-        norm = g.flatten(-2).norm(dim=-1)[..., None, None]  # (B, H, K, 1, 1)
-        over = norm > limit
-        # where, not limit / max(norm, limit): an unclipped sum is multiplied by an exact 1 with
-        # no gradient to the limit or the norm, so forward and backward equal the unbounded ones
-        clipped.append(g * torch.where(over, limit.to(norm.dtype) / norm.clamp_min(limit.to(norm.dtype)), 1.0))
-        count = count + over.sum()
-    return clipped, count
+    (`associative_grads`: u_t the token's surprise), scaled to Frobenius norm at most its
+    `limit` (B, H, K) (`surprise_limit`): the weighted mean of the chunk's surprise norms at most
+    the bound. Returns (grads, scales (len(grads), B, H, K)): s = limit / max(||G||, limit), exactly
+    1 where G is within its limit (x / x = 1 in IEEE arithmetic), so an unclipped sum is unchanged
+    bit for bit. The scales are constants in backward, as a gradient clip's are (d(sG)/dG = s):
+    the gradients of unclipped sums equal the unbounded ones, and the bound adds 2 + len(grads)
+    launches forward and none backward besides the products."""
+    norms = torch.stack([g.flatten(-2).norm(dim=-1) for g in grads])  # (M, B, H, K)
+    scales = (limit / norms.clamp_min(limit)).detach()
+    return [g * scale[..., None, None] for g, scale in zip(grads, scales.unbind(0))], scales
 
 
 def token_scan_update(state, grads, mix):
@@ -396,14 +398,15 @@ class UpdateRule(NamedTuple):
     whole_sequence: bool = False
 
 
-def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule):
+def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule, limit_c: torch.Tensor | None = None):
     """One chunk: its tokens read the state left by the previous chunk (or, with
     `rule.read_after_write`, the state after this chunk's write), and the chunk is written.
     state: per weight matrix (B, H, 2, in, out), the fast weights and their momentum stacked
     ([:, :, 0] and [:, :, 1]); q_c, k_c, v_c (B, H, C, d); token_weights_c (B, H, C, K),
-    decays_c (B, H, 2, 2) or (B, H, 2): the chunk's slice of `chunk_gates`. Reading before
-    the write, queries and keys go through M together (one matmul per layer). Returns
-    (y_c, new state, surprise sums clipped (0-dim; None without a bound))."""
+    decays_c (B, H, 2, 2) or (B, H, 2): the chunk's slice of `chunk_gates`; limit_c (B, H, K)
+    the chunk's `surprise_limit` under `rule.max_update_norm` (computed here when None). Reading
+    before the write, queries and keys go through M together (one matmul per layer). Returns
+    (y_c, new state, the surprise sums' clip scales (`clip_surprise`; None without a bound))."""
     fused = rule.backend if rule.gates == "token" else None  # "auto" resolved once per call (`chunked_memory`)
     if fused in FUSED_TOKEN_STEP_BACKENDS:  # kernels/token_step.py (UpdateRule)
         refusal = "read_after_write" if rule.read_after_write else \
@@ -421,8 +424,10 @@ def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule
         both, saved_both = mlp_forward(weights, torch.cat([q_c, k_c], 2), rule.residual)
         saved = [(k_c if i == 0 else inp[:, :, size:], pre[:, :, size:]) for i, (inp, pre) in enumerate(saved_both)]
         y_c, out_k = both.unflatten(2, (2, size)).unbind(2)
-    grads, clipped = clip_surprise(associative_grads(weights, saved, out_k, v_c, token_weights_c),
-                                   rule.max_update_norm, token_weights_c)
+    grads, scales = associative_grads(weights, saved, out_k, v_c, token_weights_c), None
+    if rule.max_update_norm:
+        limit = surprise_limit(token_weights_c, rule.max_update_norm) if limit_c is None else limit_c
+        grads, scales = clip_surprise(grads, limit)
     if rule.gates == "token":
         state = token_scan_update(state, grads, decays_c)
     else:
@@ -432,7 +437,7 @@ def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule
                       for s, g in zip(state, grads))
     if rule.read_after_write:
         y_c = mlp_forward([s[:, :, 0] for s in state], q_c, rule.residual)[0]
-    return y_c, state, clipped
+    return y_c, state, scales
 
 
 @functools.cache
@@ -464,16 +469,20 @@ def run_chunks(step, state, q, k, v, theta, log_eta, log_keep, rule: UpdateRule)
     (`chunk_gates`) is computed first for all G chunks at once (inside a `checkpoint_chunks`
     group, so recomputed with it rather than kept). Per-chunk views come from unbind: slicing
     chunk by chunk would make autograd scatter every chunk's gradient into a zero tensor of
-    all the chunks' size (quadratic in T). Returns (the chunks' reads, final stacked state,
-    surprise sums clipped: 0 without a bound, no tensor op added)."""
-    outputs, clipped = [], 0
-    per_chunk = (q, k, v, *chunk_gates(theta, log_eta, log_keep, rule.gates))
-    for chunk_inputs in zip(*(t.unbind(2) for t in per_chunk)):
-        y_c, state, clipped_c = step(state, *chunk_inputs, rule)
+    all the chunks' size (quadratic in T). With a surprise bound, the limits of all G chunks'
+    sums (`surprise_limit`) are computed at once too, and the sums clipped are counted once
+    after the loop. Returns (the chunks' reads, final stacked state, surprise sums clipped
+    (0-dim): 0 without a bound, no tensor op added)."""
+    outputs, scales = [], []
+    token_weights, decays = chunk_gates(theta, log_eta, log_keep, rule.gates)
+    limits = surprise_limit(token_weights, rule.max_update_norm).unbind(2) if rule.max_update_norm else \
+        (None,) * q.shape[2]
+    for *chunk_inputs, limit_c in zip(*(t.unbind(2) for t in (q, k, v, token_weights, decays)), limits):
+        y_c, state, scales_c = step(state, *chunk_inputs, rule, limit_c)
         outputs.append(y_c)
-        if clipped_c is not None:
-            clipped = clipped + clipped_c.detach()
-    return outputs, state, clipped
+        if scales_c is not None:
+            scales.append(scales_c)
+    return outputs, state, (torch.stack(scales) < 1).sum() if scales else 0
 
 
 def sequence_gates(token_weights, decays, rule: UpdateRule):
