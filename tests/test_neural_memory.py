@@ -10,18 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import newton_schulz_reference
+from models.memory.chunk_write import associative_grads, chunk_gates, clip_surprise, mlp_forward, surprise_limit
 from models.memory.neural_memory import (
-    associative_grads,
-    chunk_gates,
     chunk_step,
     chunked_memory,
-    clip_surprise,
     MemoryState,
-    mlp_forward,
     NeuralMemory,
     NeuralMemoryConfig,
     SURPRISE_BOUND,
-    surprise_limit,
     UpdateRule,
 )
 

@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 import kernels  # noqa: E402
 from kernels import token_step as ts  # noqa: E402
 from kernels.auto_table import AUTO_TABLE  # noqa: E402
+from models.memory.chunk_write import chunk_gates  # noqa: E402
 from models.memory.neural_memory import (  # noqa: E402
-    chunk_gates,
     chunk_step,
     NeuralMemory,
     NeuralMemoryConfig,
