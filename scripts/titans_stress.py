@@ -5,6 +5,8 @@ sweep of issue 46 (torchtitan_ext/eval/titans_stress.py; the table in docs/bench
     python scripts/titans_stress.py --out docs/titans_stress/runs.jsonl            # the 216-cell grid
     python scripts/titans_stress.py --out runs.jsonl --memory max_update_norm=0 --lrs 1e-2   # the unbounded memory
     python scripts/titans_stress.py --out docs/titans_stress/runs.jsonl --summary
+    python scripts/titans_stress.py --out runs.jsonl --variants mag --widths 64 --lrs 3e-3 --seq-lens 128 \
+        --chunks 16 --steps 3000 --batch-size 32 --cosine-steps 3000    # issue 46's reported run
 
 Each cell (variant x width x lr x T x memory chunk, one seed of 0-4) trains on MQAR for
 `--steps` steps and appends one JSON line to `--out`; cells already there are skipped, so an
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", default=",".join(map(str, titans_stress.CHUNKS)))
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--cosine-steps", type=int, default=0,
+                        help="0: the peak lr held after a 10%% warmup; N: 5%% warmup of N, then a cosine to 0 over N")
     parser.add_argument("--memory", action="append", default=[], metavar="FIELD=NUMBER",
                         help="a memory config field for every cell (e.g. max_update_norm=0: no bound)")
     parser.add_argument("--quick", action="store_true", help="2 cells of 3 steps (the tests)")
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.quick:
             levels = dict(variants=("lmm", "mac"), widths=(16,), lrs=(1e-2,), seq_lens=(32,), chunks=(8,))
         cells = titans_stress.grid(3 if args.quick else args.steps, 2 if args.quick else args.batch_size,
-                                   memory_overrides(args.memory), **levels)
+                                   memory_overrides(args.memory), cosine_steps=args.cosine_steps, **levels)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

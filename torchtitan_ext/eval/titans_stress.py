@@ -4,7 +4,8 @@ defaults, wherever a user might train it?
 Each cell trains one Titans variant from scratch on MQAR (Zoology's query distribution,
 `mqar.batch`; 8 key-value pairs, vocabulary 256) in a plain loop: AdamW (0.9, 0.999), weight
 decay 0.1, gradient clip 1.0, a linear warmup over 10% of the steps, then the peak lr held (no
-decay: harsher than a cosine). The model is `mqar.build_model`'s (the project's init), 2
+decay: harsher than a cosine; `cosine_steps` N gives the issue's schedule instead: 5% of N warmup,
+then a cosine to 0 over N). The model is `mqar.build_model`'s (the project's init), 2
 layers of 2 heads, window = MAC segment = T / 4, memory chunk C; every other memory option at
 its default. A cell is non-finite at the first step whose loss, a parameter, or a memory's
 fast-weight norm at the end of the forward is not finite (that step's `nonfinite_step`); it
@@ -55,19 +56,22 @@ class Cell:
     steps: int = 120
     batch_size: int = 16
     memory: tuple[tuple[str, float], ...] = ()  # memory config overrides, as (field, value) pairs
+    cosine_steps: int = 0  # 0: the peak lr held after the warmup; N: 5% warmup of N, then a cosine to 0 over N
 
     def key(self) -> str:
         options = "".join(f" {name}={value:g}" for name, value in self.memory)
+        schedule = f" cosine{self.cosine_steps}" if self.cosine_steps else ""
         return (f"{self.variant} w{self.width} lr{self.lr:g} T{self.seq_len} C{self.chunk} seed{self.seed} "
-                f"steps{self.steps} b{self.batch_size}{options}")
+                f"steps{self.steps} b{self.batch_size}{schedule}{options}")
 
 
 def grid(steps: int = 120, batch_size: int = 16, memory: dict | None = None, variants=VARIANTS, widths=WIDTHS,
-         lrs=LRS, seq_lens=SEQ_LENS, chunks=CHUNKS) -> list[Cell]:
+         lrs=LRS, seq_lens=SEQ_LENS, chunks=CHUNKS, cosine_steps: int = 0) -> list[Cell]:
     """Every (variant, width, lr, T, C) of the given levels, the seed cycling over 0-4."""
     overrides = tuple(sorted((memory or {}).items()))
     levels = itertools.product(variants, widths, lrs, seq_lens, chunks)
-    return [Cell(v, w, lr, t, c, i % SEEDS, steps, batch_size, overrides) for i, (v, w, lr, t, c) in enumerate(levels)]
+    return [Cell(v, w, lr, t, c, i % SEEDS, steps, batch_size, overrides, cosine_steps)
+            for i, (v, w, lr, t, c) in enumerate(levels)]
 
 
 def build(cell: Cell) -> torch.nn.Module:
@@ -115,7 +119,8 @@ def train_cell(cell: Cell) -> tuple[dict, Watch]:
     start = time.perf_counter()
     run = mqar.train(model, mqar.Task(seq_len=cell.seq_len, num_kv=8, vocab=256), steps=cell.steps, lr=cell.lr,
                      batch_size=cell.batch_size, eval_every=10**9, eval_size=16, seed=cell.seed, weight_decay=0.1,
-                     warmup_fraction=0.1, betas=(0.9, 0.999), clip_norm=1.0, after_step=watch)
+                     warmup_fraction=0.05 if cell.cosine_steps else 0.1, betas=(0.9, 0.999), clip_norm=1.0,
+                     cosine_steps=cell.cosine_steps, after_step=watch)
     record = {"key": cell.key(), **dataclasses.asdict(cell), "memory": dict(cell.memory),
               "nonfinite_step": run.nonfinite_step, "last_loss": run.last_loss if math.isfinite(run.last_loss) else None,
               "max_weight_norm": watch.max_weight_norm, "clipped_steps": watch.clipped_steps,
