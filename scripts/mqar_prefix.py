@@ -28,6 +28,7 @@ from pathlib import Path
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import mqar_prefix, mqar_suite
+from torchtitan_ext.eval.jsonl import read_records
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -69,9 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.summary:
-            if not args.out.is_file():
-                raise UserError(f"{args.out} does not exist: run some seeds into it first")
-            print(mqar_prefix.summary([json.loads(line) for line in args.out.read_text().splitlines()]))
+            print(mqar_prefix.summary(read_records(args.out, "seeds")))
             return
         if args.row not in mqar_suite.ROWS:
             raise UserError(f"{'unknown row ' + repr(args.row) if args.row else '--row is needed'}: "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import titans_stress
+from torchtitan_ext.eval.jsonl import read_records
 
 
 def numbers(text: str, kind=float) -> tuple:
@@ -66,9 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.summary:
-            if not args.out.is_file():
-                raise UserError(f"{args.out} does not exist: run some cells into it first")
-            print(titans_stress.summary(titans_stress.read(args.out)))
+            print(titans_stress.summary(read_records(args.out, "cells")))
             return
         variants = tuple(args.variants.split(","))
         unknown = [v for v in variants if v not in titans_stress.VARIANTS]
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     titans_stress.run(cells, args.out, log=lambda line: print(line, flush=True))
-    print(titans_stress.summary(titans_stress.read(args.out)))
+    print(titans_stress.summary(read_records(args.out)))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ meets every factor level). Per cell it records the first non-finite step, the la
 the largest fast-weight norm, how many steps clipped a surprise sum and the largest share
 clipped in a forward (`NeuralMemory.last_stats`), and the wall time. `run` appends one JSON
 line per cell to a file and skips the cells it already holds (resumable);
-`summary` makes the markdown table of docs/benchmarks.md from that file.
+`summary` makes the markdown table of docs/benchmarks.md from its records.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.eval import mqar
+from torchtitan_ext.eval.jsonl import read_records
 
 VARIANTS = ("lmm", "mac", "mag", "mal")
 WIDTHS = (64, 128)
@@ -130,9 +131,7 @@ def train_cell(cell: Cell) -> tuple[dict, Watch]:
 
 
 def done_keys(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    return {json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip()}
+    return {r["key"] for r in read_records(path)} if path.exists() else set()
 
 
 def run(cells: list[Cell], path: Path, log=print) -> list[dict]:
@@ -175,6 +174,3 @@ def summary(records: list[dict]) -> str:
         lines += [f"- {r['key']}: step {r['nonfinite_step']}" for r in sorted(failed, key=lambda r: r["key"])]
     return "\n".join(lines)
 
-
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
