@@ -90,7 +90,7 @@ def reference(memory: NeuralMemory, x: torch.Tensor) -> torch.Tensor:
                 inp = F.silu(inp)
         return inp
 
-    def clip(g, weight_sum):  # the surprise bound: a chunk's sum of weighted surprises scaled to norm <= bound * weights
+    def clip(g, weight_sum):  # a chunk's sum of weighted surprises scaled to norm <= bound * its weights' sum
         limit = cfg.surprise_bound * float(weight_sum)
         return g * min(1.0, limit / torch.linalg.matrix_norm(g).item()) if cfg.surprise_bound else g
 

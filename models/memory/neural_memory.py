@@ -84,52 +84,59 @@ Choices where the papers are silent (tested):
   grow with T), the state entering every `checkpoint_chunks`-th chunk (every chunk's at 0)
   kept for the backward, which recomputes the rest from it (`compiled_chunk_step` does not
   apply to it). Under bf16 autocast its fast-weight products take bf16 operands, as autocast
-  gives the chunk loop's matmuls; the state and its update stay fp32. Depth 2,
-  float32 state, `max_update_norm` 0 (the kernels have no surprise bound), a CUDA device (TRITON_INTERPRET=1 on CPU); anything
-  else runs the chunk loop after a warning naming why. Off by default until a GPU measures it faster.
+  gives the chunk loop's matmuls; the state and its update stay fp32. Depth 2, float32 state,
+  `max_update_norm` 0 (the kernels have no surprise bound), a CUDA device (TRITON_INTERPRET=1
+  on CPU); anything else runs the chunk loop after a warning naming why. Off by default until
+  a GPU measures it faster.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
 - `max_update_norm = b` bounds the surprise; None (the default) means b = SURPRISE_BOUND = 20 for
   the plain-gradient rules and 0 (off) with Newton-Schulz, whose step NS(S) is orthogonalised,
   so its norm does not grow with the surprise's (`surprise_bound`). Titans has no bound; 0
-  turns it off. Why on by default (issue 46): the per-token rule takes a chunk's C
-  gradients at the chunk-start weights, so one chunk is a gradient step of size about
-  C theta / (1 - eta) on the associative loss, whose curvature grows with the fast weights
-  (the hidden activations silu(k W_1) grow with W_1). The outer training grows the learned
-  initial weights (MQAR, titans_mal, width 64, T 128, chunk 16, lr 1e-2: the second layer's
-  fast-weight norm 7.5 -> 39 in 24 steps while its mean theta fell 0.005 -> 0.0016 and eta
-  0.48 -> 0.13), until the step passes the stable range; then the surprise grows geometrically
-  from chunk to chunk inside one forward (its weighted mean norm ~10 for 80 steps, 14 at step
-  80, inf at step 83) and the loss is NaN. The outer gradient clip cannot prevent it: it acts
-  after the forward. docs/benchmarks.md "Titans memory finite by default".
+  turns it off. Mela and MemoryLlama set 0 (Mela: its Newton-Schulz step; MemoryLlama: the
+  thesis' block as printed).
+  Why on by default (issue 46): the per-token rule takes a chunk's C gradients at the
+  chunk-start weights, so one chunk is a gradient step of size about C theta / (1 - eta) on
+  the associative loss, whose curvature grows with the fast weights (and, through W_2, with
+  the values). Outer training can grow the values' scale at no cost to the read (the output
+  norm removes it): on MQAR (titans_mal, width 64, T 128, chunk 16, lr 1e-2) the first
+  layer's value projection grew 2.8x in 82 steps while its gates stayed put (eta 0.51-0.54,
+  theta half of max_lr), its weighted mean surprise norm rose from 1 to 14, then 34 at step
+  82, and at step 83 it grew geometrically from chunk to chunk within one forward to inf: the
+  loss was NaN. The outer gradient clip cannot prevent it (it acts after the forward).
+  docs/benchmarks.md "Titans memory finite by default" has the figures.
   What is bounded: the surprise term of thesis eq. 2.39 as the chunked step applies it. Each
   weighted sum of a chunk's per-token gradients that is added to the state,
   G = sum_t w_t u_t (u_t = grad l(M; k_t, v_t), the surprise), is scaled so that
-  ||G||_F <= b sum_t |w_t| (`clip_surprise`): the weighted mean of the chunk's surprise norms is
-  at most b, whatever the gates' step (theta, eta, alpha) and the chunk size, which keep their
-  paper meaning. Separately per batch row, head and weight matrix. The chunk rule has one such
-  sum, G = sum_t theta_t u_t, clipped before the momentum (S = eta S - G); the per-token rule
-  has two, the chunk's addition to the momentum, sum_i theta_i (prod_{i<j<=C} eta_j) u_i, and to
-  the weights, sum_i theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j) u_i (the unrolled sums above),
-  each clipped. The scale s = limit / max(||G||, limit) is exactly 1 where a sum is within its
+  ||G||_F <= b sum_t |w_t| (`chunk_write.clip_surprise`): the weighted mean of the chunk's
+  surprise norms is at most b, whatever the gates' step (theta, eta, alpha) and the chunk size,
+  which keep their paper meaning. Separately per batch row, head and weight matrix. The chunk
+  rule has one such sum, G = sum_t theta_t u_t, clipped before the momentum (S = eta S - G);
+  the per-token rule has two, the chunk's addition to the momentum,
+  sum_i theta_i (prod_{i<j<=C} eta_j) u_i, and to the weights,
+  sum_i theta_i (sum_{t>=i} R_t prod_{i<j<=t} eta_j) u_i (the unrolled sums above), each
+  clipped. The scale s = limit / max(||G||, limit) is exactly 1 where a sum is within its
   limit, and a constant in backward (d(sG)/dG = s, as a gradient clip's): forward and backward
-  equal the unbounded memory's wherever nothing is clipped. Why this quantity: a sum is what the chunked path materialises (clipping each
-  token's u_t would need the C per-token gradients the fused sums avoid); relative to the sum
-  of the weights so the bound is one of the surprise, not of the step (a bound on ||G|| itself
-  would tighten as C, theta or 1 / (1 - eta) grow); per row and head because each is an
-  independent memory (one outlier sequence must not shrink another's writes); per matrix
-  because the layers' gradient scales differ; the Frobenius norm because it bounds the
-  spectral norm. With it a chunk adds at most b sum_t |w_t| to each matrix, so the state grows
-  at most linearly over a sequence instead of geometrically: finite. Why 20: healthy runs
-  stay below it (the weighted mean surprise norm was at most 8.3 over MQAR runs of LMM, MAC,
-  MAG and MAL at widths 64 and 128, chunks 16 and 64; 10-11 in the MAL run above before it
-  diverged), and a divergence passes any fixed bound within a few chunks. A bound above every
-  norm changes nothing bit for bit (the scale is exactly 1); the share of sums clipped in the
-  last forward is `last_stats["clipped_share"]`, which the training log reports
-  (torchtitan_ext/training/trainer.py). The fused token step and the whole-sequence kernels
-  have no bound: they run only with `max_update_norm = 0` (and fall back to the chunk loop
-  with a warning otherwise). Mela and MemoryLlama set 0: Mela's Newton-Schulz step is
-  orthogonalised (bounded by construction), MemoryLlama is the thesis' block as printed.
+  equal the unbounded memory's wherever nothing is clipped.
+  Why this quantity: a sum is what the chunked path materialises (clipping each token's u_t
+  would need the C per-token gradients the fused sums avoid); relative to the sum of the
+  weights so the bound is one of the surprise, not of the step (a bound on ||G|| itself would
+  tighten as C, theta or 1 / (1 - eta) grow); per row and head because each is an independent
+  memory (one outlier sequence must not shrink another's writes); per matrix because the
+  layers' gradient scales differ; the Frobenius norm because it bounds the spectral norm.
+  With it a chunk adds at most b sum_t |w_t| to each matrix, so the state grows at most
+  linearly over a sequence instead of geometrically: finite.
+  Why 20: in short MQAR runs of LMM, MAC, MAG and MAL (widths 64 and 128, chunks 16 and 64,
+  150-300 steps) the weighted mean surprise norm stayed at most 8.3, and in the run above at
+  most 14 until the step before it diverged; a divergence passes any fixed bound within a few
+  chunks. Longer runs grow the values and with them the surprise: in the MQAR suite's LMM run
+  (900 steps) the bound first clips at step 468 and clips up to 12% of the sums by step 900
+  (validation accuracy within the unbounded run's seed spread, docs/benchmarks.md), so
+  `clipped_share` is worth watching in long runs.
+  The share of sums clipped in the last forward is `last_stats["clipped_share"]`, which the
+  training log reports (torchtitan_ext/training/trainer.py). The fused token step and the
+  whole-sequence kernels have no bound: they run only with `max_update_norm = 0` (and fall back
+  to the chunk loop with a warning otherwise).
 """
 
 from __future__ import annotations
@@ -293,7 +300,8 @@ def chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule: UpdateRule
     fused = rule.backend if rule.gates == "token" else None  # "auto" resolved once per call (`chunked_memory`)
     if fused in FUSED_TOKEN_STEP_BACKENDS:  # kernels/token_step.py (UpdateRule)
         refusal = "read_after_write" if rule.read_after_write else \
-            "max_update_norm > 0 (the fused step has no surprise bound: set it to 0 to take it)" if rule.max_update_norm else \
+            "max_update_norm > 0 (the fused step has no surprise bound: set it to 0 to take it)" \
+            if rule.max_update_norm else \
             token_step_refusal(fused, state, q_c, k_c, v_c, token_weights_c, decays_c)
         if refusal is None:
             return (*token_chunk_step(state, q_c, k_c, v_c, token_weights_c, decays_c, rule.residual, fused), None)

@@ -123,7 +123,8 @@ def train_cell(cell: Cell) -> tuple[dict, Watch]:
                      warmup_fraction=0.05 if cell.cosine_steps else 0.1, betas=(0.9, 0.999), clip_norm=1.0,
                      cosine_steps=cell.cosine_steps, after_step=watch)
     record = {"key": cell.key(), **dataclasses.asdict(cell), "memory": dict(cell.memory),
-              "nonfinite_step": run.nonfinite_step, "last_loss": run.last_loss if math.isfinite(run.last_loss) else None,
+              "nonfinite_step": run.nonfinite_step,
+              "last_loss": run.last_loss if math.isfinite(run.last_loss) else None,
               "max_weight_norm": watch.max_weight_norm, "clipped_steps": watch.clipped_steps,
               "first_clipped_step": watch.first_clipped_step, "max_clipped_share": watch.max_clipped_share,
               "seconds": round(time.perf_counter() - start, 2)}
@@ -165,9 +166,9 @@ def summary(records: list[dict]) -> str:
         finite = [r for r in rows if r["nonfinite_step"] is None]
         clipped = [r for r in rows if r["clipped_steps"]]
         norm = max((r["max_weight_norm"] for r in rows), default=0.0)
+        share = max((r["max_clipped_share"] for r in rows), default=0.0)
         lines.append(f"| {memory} | {variant} | {width} | {len(rows)} | {len(finite)} | {len(clipped)} | "
-                     f"{sum(r['clipped_steps'] for r in rows)} | {max((r['max_clipped_share'] for r in rows), default=0):.3f} "
-                     f"| {norm:.3g} |")
+                     f"{sum(r['clipped_steps'] for r in rows)} | {share:.3f} | {norm:.3g} |")
     failed = [r for r in records if r["nonfinite_step"] is not None]
     if failed:
         lines += ["", "Non-finite cells (first non-finite step):", ""]

@@ -62,8 +62,10 @@ class MemoryTrainer(Trainer):
     (`Family.diagnostics`: Titans' `memory_diagnostics`, Mela's `mela_diagnostics`) to
     wandb/TensorBoard, and a one-line summary (each statistic averaged over layers) to the
     console, preceded by a warning line naming the layers whose surprise bound clipped or whose
-    fast-weight norm jumped (`memory_events`), when any did. Values come from rank 0's last micro-batch. On SIGTERM (any rank), every rank
-    stops after the same finished step and a full checkpoint of it is written.
+    fast-weight norm jumped (`memory_events`), when any did. Values come from rank 0's last
+    micro-batch (the forward of the logged step: clipping between two logged steps shows only
+    where it lasts to the next). On SIGTERM (any rank), every rank stops after the same finished
+    step and a full checkpoint of it is written.
 
     Non-finite guard: before the optimizer step the ranks agree (one all-reduce of two scalars) on
     whether any rank's loss or gradient shard holds a NaN or an infinity (after clipping: a
