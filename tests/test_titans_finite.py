@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from models.lms.titans import TitansConfig, TitansLM, VARIANTS
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig, SURPRISE_BOUND
 from torchtitan_ext.eval import titans_stress
 
@@ -77,6 +78,38 @@ def test_a_runaway_memory_stays_finite_at_the_defaults(autocast):
     assert all(torch.isfinite(t).all() for t in tensors)
     assert all(torch.isfinite(w.norm()) for w in tensors[1:3])
     assert tensors[1].dtype == torch.float32 and memory.last_stats["clipped_share"] > 0
+
+
+def runaway_model(variant: str, **memory) -> TitansLM:
+    """One block of each Titans variant whose memory is pushed as `runaway_memory`'s, and whose
+    attention output (what MAC's memory writes) is drawn with std 1."""
+    torch.manual_seed(0)
+    model = TitansLM(TitansConfig(variant=variant, vocab_size=64, dim=64, n_layers=1, n_heads=2, window=64,
+                                  memory=NeuralMemoryConfig(chunk_size=64, **memory)))
+    with torch.no_grad():
+        for block in model.layers.values():
+            block.memory.to_qkv.weight.normal_(std=1.0)
+            block.memory.to_gates.bias.copy_(torch.tensor([0.0, 0.0, 3.0, 3.0, 0.0, 0.0]))
+            if hasattr(block, "attention"):
+                block.attention.wo.weight.normal_(std=1.0)
+    return model
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_pushed_to_diverge_trains_finite_at_the_defaults(variant, autocast):
+    """Each variant, in fp32 and under bf16 autocast: unbounded, its logits or gradients are not
+    finite after 512 tokens; at the defaults all are."""
+    tokens = torch.randint(0, 64, (2, 512), generator=torch.Generator().manual_seed(1))
+
+    def finite(model) -> bool:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            logits = model(tokens)
+        logits.float().logsumexp(-1).mean().backward()
+        return bool(torch.isfinite(logits).all()) and all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+
+    assert not finite(runaway_model(variant, max_update_norm=0.0))
+    assert finite(runaway_model(variant))
 
 
 def test_a_runaway_memory_at_the_defaults_runs_on_meta():
