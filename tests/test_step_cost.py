@@ -136,17 +136,17 @@ def test_cuda_paths_are_recorded(titans_short):
     as flash attention; fused AdamW."""
     cost = titans_short.cost
     assert cost.fp32_matmul.launches > 0
-    assert set(cost.fp32_functions) == {"neural_memory.py:token_scan_update"}  # every fp32 matmul: the state mix
+    assert set(cost.fp32_functions) == {"chunk_write.py:token_scan_update"}  # every fp32 matmul: the state mix
     assert "attention.py:masked_attention (eager flex)" in cost.functions
     import kernels
     import models.layers.attention
     import models.lms.titans
-    import models.memory.neural_memory
+    import models.memory.chunk_write
 
     # the CUDA switches are undone after the step
     assert models.lms.titans.masked_attention is models.layers.attention.masked_attention
     assert models.layers.attention.masked_attention.__module__ == "models.layers.attention"
-    assert models.memory.neural_memory.full_precision is kernels.full_precision
+    assert models.memory.chunk_write.full_precision is kernels.full_precision
     assert kernels.full_precision.__module__ == "kernels.token_step"
     transformer = predict("transformer_debug", seq_len=64).cost
     assert transformer.fp32_matmul.launches == 0

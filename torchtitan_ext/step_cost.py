@@ -90,7 +90,7 @@ update, attention, compiled region) and a pre-hook makes the tag current when th
 an untagged node's ops (made inside a composite function) keep the tag of the node run just
 before them. Recomputed forward ops (checkpointed chunks) are classed by their own frames.
 Each op is also booked under the innermost model function (models/, kernels/) on the Python
-stack when its forward op ran ("neural_memory.py:associative_grads"); the report's table of
+stack when its forward op ran ("chunk_write.py:associative_grads"); the report's table of
 top functions says which code the launches come from.
 
 Recording time grows with the ops: on a shared 2-core CPU transformer_400m at T 4096 takes
