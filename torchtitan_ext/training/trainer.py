@@ -6,6 +6,7 @@ step whose loss or gradients are not finite, and the count of skipped data rows
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +47,7 @@ def memory_events(step: int, metrics: dict[str, float], previous_norms: dict[str
         elif name == "weight_norm":
             norms[layer] = value
             before = previous_norms.get(layer)
-            if value != value or value in (float("inf"), float("-inf")) or (before and value > NORM_JUMP * before):
+            if not math.isfinite(value) or (before and value > NORM_JUMP * before):
                 jumped.append(f"{layer} ({before:.4g} -> {value:.4g})" if before else f"{layer} ({value:.4g})")
     parts = ([f"surprise clipped in {', '.join(clipped)}"] if clipped else []) + \
         ([f"fast-weight norm jumped in {', '.join(jumped)}"] if jumped else [])
