@@ -45,12 +45,12 @@ def test_the_mqar_run_that_went_nan_unbounded_trains_finite_at_the_defaults(one_
     assert bounded_watch.losses[: first - 1] == unbounded_watch.losses[: first - 1]
 
 
-def runaway_memory(**memory) -> NeuralMemory:
-    """A memory at its defaults (2 heads of 32, chunk 64) whose gates and value projections sit
-    where outer training can take them: eta ~ 0.95 (its logit 3), theta at half max_lr, the q/k/v
-    projections drawn with std 1 (so the values are large)."""
+def runaway_memory(head_dim: int = 32, **memory) -> NeuralMemory:
+    """A memory at its defaults (2 heads of `head_dim`, chunk 64) whose gates and value projections
+    sit where outer training can take them: eta ~ 0.95 (its logit 3), theta at half max_lr, the
+    q/k/v projections drawn with std 1 (so the values are large)."""
     torch.manual_seed(0)
-    m = NeuralMemory(NeuralMemoryConfig(dim=64, n_heads=2, head_dim=32, chunk_size=64, **memory))
+    m = NeuralMemory(NeuralMemoryConfig(dim=2 * head_dim, n_heads=2, head_dim=head_dim, chunk_size=64, **memory))
     with torch.no_grad():
         m.to_qkv.weight.normal_(std=1.0)
         m.to_gates.bias.copy_(torch.tensor([0.0, 0.0, 3.0, 3.0, 0.0, 0.0]))
@@ -110,6 +110,21 @@ def test_every_variant_pushed_to_diverge_trains_finite_at_the_defaults(variant, 
 
     assert not finite(runaway_model(variant, max_update_norm=0.0))
     assert finite(runaway_model(variant))
+
+
+def test_at_the_paper_memory_shape_the_bound_keeps_a_runaway_finite_and_recompute_changes_nothing():
+    """The 400m recipes' memory (heads of 64, hidden 256, chunk 64, groups of 4 chunks recomputed
+    in backward) over 8 chunks: unbounded the fast weights are not finite; at the defaults
+    everything is, and recomputing groups gives the outputs and gradients of keeping every
+    chunk (the clip scales are constants in backward, so the recompute takes the same ones)."""
+    x = torch.randn(2, 512, 128, generator=torch.Generator().manual_seed(1))
+    free = fwd_bwd(runaway_memory(64, max_update_norm=0.0, checkpoint_chunks=4), x)
+    assert not all(torch.isfinite(t).all() for t in free[1:3])
+    recomputed_memory = runaway_memory(64, checkpoint_chunks=4)
+    recomputed, kept = fwd_bwd(recomputed_memory, x), fwd_bwd(runaway_memory(64), x)
+    assert all(torch.isfinite(t).all() for t in recomputed) and recomputed_memory.last_stats["clipped_share"] > 0
+    for a, b in zip(recomputed, kept):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_runaway_memory_at_the_defaults_runs_on_meta():
