@@ -8,8 +8,9 @@
 A plain loop per model: the family's `models/` class built from its flavor's config, random
 tokens, cross-entropy (plus a model's own auxiliary loss, e.g. GradMem's write loss), AdamW
 (fused on CUDA), bf16 autocast on CUDA with fp32 parameters (each neural memory keeps its fast
-weights in fp32 by its own rule), optionally `torch.compile` of the whole model (of its regions
-for a family that trains so: `Family.compile_regions`, Titans). Nothing here
+weights in fp32 by its own rule), optionally compiled as the family's training compiles it
+(`Family.compile`: torchtitan's per-block compile of `layers`, or the family's regions, Titans;
+the rest of the model runs eager, as in training). Nothing here
 imports torchtitan (the families' registry modules keep their torchtitan pieces, such as the
 backbone's state-dict adapter and GradMem's loss, in modules of their own), so it runs on any
 torch >= 2.11 with CUDA, where torchtitan 0.3.0 cannot.
@@ -106,13 +107,8 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
     result.params = sum(p.numel() for p in model.parameters())
     result.flops_per_token = flops_per_token(seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    run = model
-    if compile_model:  # as the family's training compiles it: by regions (Titans), else the whole model
-        regions = family_and_overrides(name)[0].compile_regions
-        if regions is None:
-            run = torch.compile(model)
-        else:
-            regions(model, "inductor")
+    if compile_model:  # as the family's training compiles it (`Family.compile`): by regions or per block
+        family_and_overrides(name)[0].compile(model, "inductor")
     data = inputs(family_and_overrides(name)[0].name, batch, seq_len, cfg.vocab_size, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
@@ -120,7 +116,7 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
 
     def train_step() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = loss_of(run, data)
+            loss = loss_of(model, data)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -167,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the whole model")
+    parser.add_argument("--compile", action="store_true", help="compile as training does (per block or by regions)")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (always so on CPU)")
     parser.add_argument("--whole-sequence", action="store_true", help="every neural memory on the whole-sequence "
                         "kernels (NeuralMemoryConfig.whole_sequence; a CUDA device)")

@@ -1,13 +1,15 @@
 """Where one training step's time goes on an H100, predicted on a CPU (torchtitan_ext/step_cost.py).
 
-    python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2] [--compiled]
-        [--whole-sequence] [--tf32] [--launch-floor-us 5] [--sync-us 20] [--top 12]
+    python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2]
+        [--mode eager|compiled|graphs] [--whole-sequence] [--tf32] [--launch-floor-us US] [--sync-us 20]
+        [--baseline transformer_400m|none] [--top 12]
 
 Records one bench_models.py training step (bf16 autocast, fp32 parameters, cross-entropy, fused
 AdamW) of CONFIG (<family>[_<variant>]_<flavor>, e.g. transformer_400m, mela_400m; or
 name:flavor) on the meta device, costs every aten op on an H100 roofline plus a per-launch
-floor, and prints the cost by op class, the predicted step time and tokens/s, launches per
-memory layer, the top ops and model functions, and the lease's measurement where one exists.
+floor (the mode's, `LAUNCH_S`), and prints the cost by op class, the predicted step time and
+tokens/s, launches per memory layer, the top ops and model functions, the Transformer++ of the
+same flavor in the same mode beside it, and the lease's measurement where one exists.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torchtitan_ext.step_cost import HOST_SYNC_S, LAUNCH_FLOOR_S, Hardware, predict, report
+from torchtitan_ext.step_cost import HOST_SYNC_S, MODES, Hardware, baseline_of, predict, report
 
 
 def parser() -> argparse.ArgumentParser:
@@ -23,27 +25,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="e.g. titans_mac_400m, transformer_400m, mela_400m, mela:debug")
     p.add_argument("--seq-len", type=int, default=4096, help="fitted to the model as bench_models.py does")
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--compiled", action="store_true", help="the crude compile model (fused elementwise runs)")
+    p.add_argument("--mode", choices=MODES, default="eager", help="compiled: as the family's training compiles "
+                   "(crude fusion model), the rest eager; graphs: that, replayed as one CUDA graph")
     p.add_argument("--whole-sequence", action="store_true", help="every neural memory on the whole-sequence kernels "
                    "(kernels/whole_sequence.py: one launch of batch x heads programs per layer and direction)")
     p.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (default: fp32 peak, "
                    "torch's allow_tf32=False, as bench_models.py runs)")
-    p.add_argument("--launch-floor-us", type=float, default=LAUNCH_FLOOR_S * 1e6, help="cost added per launch")
+    p.add_argument("--launch-floor-us", type=float, help="cost added per launch (default: the mode's LAUNCH_S)")
     p.add_argument("--sync-us", type=float, default=HOST_SYNC_S * 1e6, help="cost of one host sync")
+    p.add_argument("--baseline", default="", help="config costed beside it (default transformer_<flavor>; none: off)")
     p.add_argument("--top", type=int, default=12, help="rows of the top-ops and top-functions tables")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    hardware = Hardware(tf32=args.tf32, launch_s=args.launch_floor_us * 1e-6, sync_s=args.sync_us * 1e-6)
+    floor = {} if args.launch_floor_us is None else {"launch_s": args.launch_floor_us * 1e-6}
+    hardware = Hardware.for_mode(args.mode, tf32=args.tf32, sync_s=args.sync_us * 1e-6, **floor)
+    options = dict(seq_len=args.seq_len, batch=args.batch, mode=args.mode, hardware=hardware)
     try:
-        prediction = predict(args.config, seq_len=args.seq_len, batch=args.batch, compiled=args.compiled,
-                             hardware=hardware, whole_sequence=args.whole_sequence)
+        prediction = predict(args.config, whole_sequence=args.whole_sequence, **options)
+        baseline = args.baseline or baseline_of(prediction)
+        beside = predict(baseline, **options) if baseline and baseline != "none" else None
     except ValueError as e:
         print(f"step_cost: {e}", file=sys.stderr)
         return 2
-    print(report(prediction, top=args.top))
+    print(report(prediction, top=args.top, baseline=beside))
     return 0
 
 

@@ -156,7 +156,7 @@ def test_cuda_paths_are_recorded(titans_short):
 
 def test_compiled_fuses_elementwise_runs():
     eager = predict("transformer_debug", seq_len=64).cost
-    compiled = predict("transformer_debug", seq_len=64, compiled=True).cost
+    compiled = predict("transformer_debug", seq_len=64, mode="compiled").cost
     assert compiled.total.flops == pytest.approx(eager.total.flops)
     assert compiled.classes["decoder matmuls"].launches == eager.classes["decoder matmuls"].launches
     assert compiled.classes["elementwise"].launches < eager.classes["elementwise"].launches / 2
@@ -208,3 +208,35 @@ def test_whole_sequence_kernels_are_costed_once_per_call():
     assert hw.program_flops(2 * m.n_heads, bf16=True) == hw.bf16_flops * 2 * m.n_heads / hw.sms
     with pytest.raises(ValueError, match="no neural memory"):
         predict("transformer_debug", seq_len=64, whole_sequence=True)
+
+
+def test_compiled_mode_compiles_what_training_compiles():
+    """Mode "compiled" fuses only the modules the family's training compiles: Mela's decoder
+    blocks (torchtitan's per-block compile of `layers`) fuse, its memory module (outside
+    `layers`) keeps every eager launch; "graphs" runs the same kernels at the graph's cost."""
+    from torchtitan_ext.families import family_and_overrides
+
+    eager, compiled, graphs = (predict("mela_debug", seq_len=64, mode=mode) for mode in ("eager", "compiled", "graphs"))
+    assert compiled.compiled_modules == tuple(f"layers.{i}" for i in range(4))
+    for memory_class in ("memory update", "memory read"):
+        assert compiled.cost.classes[memory_class].launches == eager.cost.classes[memory_class].launches
+    decoder_norm = "decoder.py:RMSNorm.forward"  # in the decoder blocks only (the HMM's norms are nn.RMSNorm)
+    assert compiled.cost.functions[decoder_norm].launches < eager.cost.functions[decoder_norm].launches / 2
+    assert graphs.cost.total.launches == compiled.cost.total.launches
+    assert graphs.cost.total.launch_s == pytest.approx(compiled.cost.total.launches * step_cost.LAUNCH_S["graphs"])
+    assert compiled.cost.hardware.launch_s == step_cost.LAUNCH_S["compiled"] > step_cost.LAUNCH_S["graphs"]
+    titans = predict("titans_mag_debug", seq_len=128, mode="compiled", whole_sequence=True)
+    assert titans.compiled_modules == ("layers.0", "layers.1")  # whole-sequence blocks compile whole
+    loop = predict("titans_mag_debug", seq_len=128, mode="compiled")
+    family = family_and_overrides("titans_mag")[0]
+    assert loop.compiled_modules[:3] == ("layers.0.attention", "layers.0.gate", "layers.0.feed_forward")
+    assert family.compiled_modules is not None
+    with pytest.raises(ValueError, match="unknown mode"):
+        predict("transformer_debug", seq_len=64, mode="fast")
+
+
+def test_script_prints_the_transformer_beside(capsys):
+    assert load_script("step_cost").main(["--config", "titans_mag_debug", "--seq-len", "128", "--mode", "graphs"]) == 0
+    out = capsys.readouterr().out
+    assert "beside transformer debug (same mode and shape)" in out and "replayed as a CUDA graph" in out
+    assert "compiled regions (6): layers.0.attention" in out

@@ -9,10 +9,11 @@ executes is seen by a TorchDispatchMode and costed on an H100:
     time(op) = max(FLOPs / peak, bytes / HBM_BYTES_PER_S) + LAUNCH_FLOOR_S     (one launch)
     step     = sum over ops + HOST_SYNC_S x host syncs
 
-The ops run back to back (no overlap of host and device); LAUNCH_FLOOR_S stands for the
-whole per-op cost outside the roofline. An eager step whose kernels are tiny is bound by the
-host instead (Python, dispatcher, autograd per op): `report` prints, beside a lease
-measurement, the per-launch cost at which the measured step fits (`--launch-floor-us` sets it).
+The ops run back to back (no overlap of host and device); the launch floor (`LAUNCH_S` of the
+mode) stands for the whole per-op cost outside the roofline: an eager step whose kernels are
+tiny is bound by the host (Python, dispatcher, autograd per op). `report` prints, beside a
+lease measurement, the per-launch cost at which the measured step fits (`--launch-floor-us`
+sets it), and the Transformer++ of the same flavor in the same mode beside the model.
 
 - FLOPs: torch's own formulas (`torch.utils.flop_counter.flop_registry`: mm, addmm, bmm,
   baddbmm, convolutions and their backward); fused attention kernels 4 B H Lq Lk D forward and
@@ -60,15 +61,18 @@ another branch (each switch is undone after the step):
 - The optimizer step is torch's fused AdamW (bench_models.py on CUDA) called directly:
   `_foreach_add_` on the step counters, then `_fused_adamw_` (AdamW refuses meta tensors).
 
-Compile (`compiled=True`), a crude model, stated plainly: inside a compiled region every run
-of consecutive non-matmul ops (between two matmul or attention ops, in execution order) is
-one fused kernel: one launch, moving the bytes of the largest op of the run. Matmuls keep
-their cost. The regions are the whole model (forward and backward) for a family compiled
-whole, else the family's own regions (Titans: each block's attention, gate and SwiGLU, and the
-memory's chunk step; with `whole_sequence` the whole model, as `compile_regions` then compiles
-each block whole). Compiled flex attention is one fused kernel (costed as flash attention
-whose FLOPs are scaled by the mask's density). Compile removes no host overhead beyond the
-fused launches (bench_models.py compiles without CUDA graphs).
+Modes (`predict(mode=...)`, `LAUNCH_S` the per-launch cost of each, with its source):
+- "eager": every op one launch.
+- "compiled": the modules the family's training compiles (`Family.compiled_module_names`:
+  torchtitan's per-block compile of `layers`, each block with fullgraph=True; Titans' regions,
+  `compile_regions`, and with the chunk loop its chunk step) are compiled regions, every
+  other module and the loss run eager, as in training. Inside a compiled region, a crude model
+  stated plainly: every run of consecutive non-matmul ops (between two matmul or attention
+  ops, in execution order) is one fused kernel: one launch, moving the bytes of the largest
+  op of the run. Matmuls keep their cost. Compiled flex attention is one fused kernel (costed
+  as flash attention whose FLOPs are scaled by the mask's density).
+- "graphs": compiled so, and the whole step captured once and replayed as a CUDA graph: the
+  same kernels, each at the graph's per-node cost.
 
 Classes (each op in exactly one; they sum to the total):
 - optimizer: every op of the optimizer step.
@@ -126,7 +130,23 @@ TF32_PEAK = 494e12  # dense TF32 tensor-core FLOP/s (allow_tf32=True)
 FP64_PEAK = 67e12  # fp64 tensor cores
 HBM_BYTES_PER_S = 3.35e12
 SMS = 132  # streaming multiprocessors (one whole-sequence program per (batch, head) runs on one)
-LAUNCH_FLOOR_S = 5e-6  # eager per-launch floor (the kernel launch and the op's dispatch)
+# The whole per-launch cost outside the roofline, by how the step runs (module docstring, "Modes"):
+LAUNCH_S = {
+    # The lease's fit (H100, 2026-11-26, bench_models.py eager, batch 2 x T 4096): mela_400m's measured step
+    # (4,874 tokens/s) at 24.4 us per launch with the FLOP-bearing ops at peak; titans_mac_400m's fits 54 us
+    # (its per-chunk Python): the lower of the two.
+    "eager": 24e-6,
+    # Not measured on a lease yet (assumed): Inductor's generated code launches each fused kernel through
+    # Triton's launcher, with no dispatcher or autograd per op: the CUDA driver's 4-6 us per launch
+    # (pegainfer, "From launch overhead to CUDA graph", RTX 5070 Ti) plus the launcher's Python, ~10 us.
+    "compiled": 10e-6,
+    # CUDA graph replay: one host launch for the whole step, each kernel node ~0.5 us of device-side
+    # overhead (NVIDIA, "Getting started with CUDA graphs", 2019: 3.4 us per 2.9 us kernel replayed,
+    # vs 3.8 us launched); taken as 1 us.
+    "graphs": 1e-6,
+}
+MODES = tuple(LAUNCH_S)
+LAUNCH_FLOOR_S = 5e-6  # the roofline tests' floor (`Hardware` default): the kernel launch alone
 HOST_SYNC_S = 20e-6  # one device-to-host round trip (the queue drains)
 MULTI_TENSOR_LIST = 36  # tensors per launch of a multi-tensor op (torch's depth-4 lists)
 MULTI_TENSOR_ELEMENTS = 320 * 65536  # elements per launch (blocks x chunk size)
@@ -134,12 +154,12 @@ MULTI_TENSOR_ELEMENTS = 320 * 65536  # elements per launch (blocks x chunk size)
 CLASSES = ("attention", "memory update", "memory read", "decoder matmuls", "elementwise", "optimizer")
 
 # The lease's measurements (H100, scripts/bench_models.py plain loop, bf16 autocast, batch 2,
-# seq 4096): (model, flavor, compiled) -> (tokens/s, MFU % or None).
+# seq 4096): (model, flavor, mode) -> (tokens/s, MFU % or None).
 MEASURED_H100 = {
-    ("transformer", "400m", False): (75_782, 26.2),
-    ("transformer", "400m", True): (120_264, 41.5),
-    ("titans_mac", "400m", False): (599, None),
-    ("mela", "400m", False): (4_874, None),
+    ("transformer", "400m", "eager"): (75_782, 26.2),
+    ("transformer", "400m", "compiled"): (120_264, 41.5),  # then bench_models.py compiled the whole model
+    ("titans_mac", "400m", "eager"): (599, None),
+    ("mela", "400m", "eager"): (4_874, None),
 }
 MEASURED_SHAPE = (2, 4096)  # (batch, seq_len) of MEASURED_H100
 
@@ -185,6 +205,13 @@ class Hardware:
     sync_s: float = HOST_SYNC_S
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
     sms: int = SMS
+
+    @classmethod
+    def for_mode(cls, mode: str, **fields) -> "Hardware":
+        """The H100 with the per-launch cost of `mode` (`LAUNCH_S`) unless `launch_s` is given."""
+        if mode not in LAUNCH_S:
+            raise ValueError(f"unknown mode '{mode}': choose from {', '.join(MODES)}")
+        return cls(**{"launch_s": LAUNCH_S[mode], **fields})
 
     def program_flops(self, programs: int, bf16: bool) -> float:
         """The FLOP/s of a kernel of `programs` one-SM programs (the whole-sequence kernels):
@@ -436,8 +463,7 @@ class _Recorder:
         memory = parent.memory
         if not memory and type(module).__module__.startswith("models.memory."):
             memory = name
-        compiled = parent.compiled or (self.compiled and (
-            self.compile_modules is None or name.rsplit(".", 1)[-1] in self.compile_modules))
+        compiled = parent.compiled or (self.compiled and (self.compile_modules is None or name in self.compile_modules))
         self.stack.append(Tag(name, memory, parent.read, parent.attention, compiled, parent.function))
 
     def pop(self) -> None:
@@ -785,8 +811,9 @@ def record_step(model: torch.nn.Module, loss_fn, *, optimizer=None, tokens: int 
     """Record and cost one training step of `model` (on the meta device): loss_fn(model) ->
     loss (forward), loss.backward(), optimizer.step() (default `FusedAdamW` over the model's
     parameters), zero_grad. bf16: emulate CUDA bf16 autocast over the forward. compiled: the
-    compile model (module docstring) over `compile_modules` (names of submodules compiled
-    as regions; None: the whole model) and `compile_functions` (model functions compiled);
+    compile model (module docstring) over `compile_modules` (names of submodules compiled as
+    regions, as `model.named_modules()` names them; None: the whole model) and
+    `compile_functions` (model functions compiled);
     functions in CUDA_COMPILED_FUNCTIONS are a compiled region in any case."""
     devices = {p.device.type for p in model.parameters()}
     if devices != {"meta"}:
@@ -854,20 +881,31 @@ class Prediction:
     flavor: str
     batch: int
     seq_len: int
-    compiled: bool
+    mode: str
     params: int
     flops_per_token: float
     cost: StepCost
+    compiled_modules: tuple[str, ...] = ()  # what the recipe compiles (mode compiled or graphs)
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode != "eager"
 
     @property
     def mfu(self) -> float:
         return self.cost.tokens_per_s * self.flops_per_token / self.cost.hardware.bf16_flops
 
 
-def predict(config: str, *, seq_len: int = 4096, batch: int = 2, compiled: bool = False,
+def predict(config: str, *, seq_len: int = 4096, batch: int = 2, mode: str = "eager",
             hardware: Hardware | None = None, whole_sequence: bool = False) -> Prediction:
     """Record one bench_models.py training step of CONFIG (e.g. "titans_mac_400m") on meta
-    and cost it on an H100 (`whole_sequence`: every neural memory on the whole-sequence kernels)."""
+    and cost it on an H100 (`whole_sequence`: every neural memory on the whole-sequence kernels).
+    mode (`MODES`): "eager"; "compiled", as the family's training compiles (`Family.compiled_module_names`:
+    torchtitan's per-block compile of `layers`, or the family's regions; Titans on the chunk
+    loop also compiles its chunk step), every other module eager; "graphs", compiled so and the
+    whole step replayed as one CUDA graph. `hardware` (default `Hardware.for_mode(mode)`)."""
+    if mode not in LAUNCH_S:
+        raise ValueError(f"unknown mode '{mode}': choose from {', '.join(MODES)}")
     name, flavor = parse_config(config)
     family = family_and_overrides(name)[0]
     with torch.device("meta"):
@@ -875,30 +913,39 @@ def predict(config: str, *, seq_len: int = 4096, batch: int = 2, compiled: bool 
     if whole_sequence and not use_whole_sequence(model):
         raise ValueError(f"--whole-sequence: {config} has no neural memory")
     seq_len = plain_step.fitted_length(cfg, seq_len)
-    hardware = hardware or Hardware()
+    hardware = hardware or Hardware.for_mode(mode)
     data = plain_step.inputs(family.name, batch, seq_len, cfg.vocab_size, "meta")
-    compile_modules, compile_functions = None, frozenset()
-    if family.compile_regions is not None and not whole_sequence:  # whole-sequence blocks compile whole
-        module = sys.modules[family.compile_regions.__module__]
-        compile_modules = tuple(getattr(module, "COMPILED_REGIONS", ()))
-        compile_functions = CHUNK_STEP_FUNCTIONS
+    compiled = mode != "eager"
+    compile_modules = tuple(family.compiled_module_names(model)) if compiled else ()
+    chunk_loop = family.compile_regions is not None and not whole_sequence  # Titans: `compiled_chunk_step`
     model.train()
     cost = record_step(model, lambda m: plain_step.loss_of(m, data), tokens=batch * seq_len, bf16=True,
-                       compiled=compiled, compile_modules=compile_modules, compile_functions=compile_functions,
-                       hardware=hardware)
-    return Prediction(name, flavor, batch, seq_len, compiled, sum(p.numel() for p in model.parameters()),
-                      flops_per_token(seq_len), cost)
+                       compiled=compiled, compile_modules=frozenset(compile_modules),
+                       compile_functions=CHUNK_STEP_FUNCTIONS if chunk_loop else frozenset(), hardware=hardware)
+    return Prediction(name, flavor, batch, seq_len, mode, sum(p.numel() for p in model.parameters()),
+                      flops_per_token(seq_len), cost, compile_modules)
 
 
-def report(p: Prediction, top: int = 12) -> str:
-    """The printed tables: by class, the step, launches per memory layer, top ops, and the
-    lease's measurement where one exists for this shape."""
+def baseline_of(p: Prediction) -> str | None:
+    """The Transformer++ config a prediction is compared with: transformer_<flavor> where that
+    flavor exists (transformer_400m beside titans_mac_400m), else None."""
+    family = family_and_overrides("transformer")[0]
+    return f"transformer_{p.flavor}" if p.name != "transformer" and p.flavor in family.flavors else None
+
+
+MODE_TEXT = {"eager": "eager", "compiled": "compiled as its training compiles (crude fusion model)",
+             "graphs": "compiled as its training compiles (crude fusion model), replayed as a CUDA graph"}
+
+
+def report(p: Prediction, top: int = 12, baseline: Prediction | None = None) -> str:
+    """The printed tables: by class, the step, launches per memory layer, top ops, the
+    `baseline` (the Transformer++ in the same mode) beside it, and the lease's measurement
+    where one exists for this shape."""
     c, hw = p.cost, p.cost.hardware
     fp32 = f"TF32 {hw.tf32_flops / 1e12:.0f}" if hw.tf32 else f"fp32 {hw.fp32_flops / 1e12:.0f} (allow_tf32=False)"
     lines = [
         f"{p.name} {p.flavor}: {p.params / 1e6:.1f}M params, batch {p.batch} x seq {p.seq_len}, bf16 autocast "
-        f"(fp32 params), {'compiled (crude fusion model)' if p.compiled else 'eager'}, fused AdamW; recorded on "
-        f"{c.device} in {c.record_s:.1f} s",
+        f"(fp32 params), {MODE_TEXT[p.mode]}, fused AdamW; recorded on {c.device} in {c.record_s:.1f} s",
         f"H100 model: bf16 {hw.bf16_flops / 1e12:.0f} TFLOP/s, fp32 matmuls at {fp32} TFLOP/s, HBM "
         f"{hw.bytes_per_s / 1e12:.2f} TB/s, launch floor {hw.launch_s * 1e6:.1f} us, host sync "
         f"{hw.sync_s * 1e6:.0f} us",
@@ -932,7 +979,15 @@ def report(p: Prediction, top: int = 12) -> str:
     for function, cost in sorted(c.functions.items(), key=lambda kv: -kv[1].seconds)[:top]:
         lines.append(f"  {function:<44} {cost.launches:>8,} launches {cost.flops / 1e9:>9,.1f} GFLOPs "
                      f"{cost.bytes / 1e9:>7,.2f} GB {cost.seconds * 1e3:>8,.2f} ms ({cost.launch_s * 1e3:,.2f} floor)")
-    measured = MEASURED_H100.get((p.name, p.flavor, p.compiled))
+    if p.compiled:
+        lines.insert(2, f"compiled regions ({len(p.compiled_modules)}): {', '.join(p.compiled_modules[:4])}"
+                        f"{', ...' if len(p.compiled_modules) > 4 else ''}; every other module eager")
+    if baseline is not None:
+        b = baseline.cost
+        lines.append(f"beside {baseline.name} {baseline.flavor} (same mode and shape): {b.total.launches:,} launches, "
+                     f"{b.tokens_per_s:,.0f} tokens/s; {p.name} / {baseline.name}: {c.total.launches / b.total.launches:.1f}x "
+                     f"the launches, {c.tokens_per_s / b.tokens_per_s:.2f}x the tokens/s")
+    measured = MEASURED_H100.get((p.name, p.flavor, p.mode))
     if measured and (p.batch, p.seq_len) == MEASURED_SHAPE:
         tokens_s, mfu = measured
         step = p.batch * p.seq_len / tokens_s

@@ -42,7 +42,10 @@ class Family:
     `config`'s shape (preflight, before an initial load); check_config(trainer config):
     UserError for options the family cannot train under (preflight); config_module: the `train_configs`
     module (default `train_configs.<name>`); compile_regions(model, backend): how the family's
-    training compiles a model in place of torchtitan's per-block compile (None: that one)."""
+    training compiles a model in place of torchtitan's per-block compile (None: that one);
+    compiled_modules(model): the names of the submodules that compile compiles, each on its
+    own (None: torchtitan's per-block compile, every child of `model.layers`), which
+    torchtitan_ext/step_cost.py costs as compiled and everything else as eager."""
 
     name: str
     summary: str
@@ -60,6 +63,7 @@ class Family:
     check_config: Callable | None = None
     config_module: str = ""
     compile_regions: Callable | None = None
+    compiled_modules: Callable | None = None
 
     def __post_init__(self):
         if not self.config_module:
@@ -70,6 +74,23 @@ class Family:
         if flavor not in self.flavors:
             raise ValueError(f"unknown {self.name} flavor '{flavor}': choose one of {sorted(self.flavors)}")
         return self.config_class(**(dict(self.flavors[flavor]) | overrides))
+
+    def compiled_module_names(self, model) -> list[str]:
+        """The submodules (names in `model.named_modules()`) the family's training compiles when
+        compile is on: `compiled_modules`, else torchtitan's per-block compile (`apply_compile`:
+        each child of `model.layers` with fullgraph=True; the rest of the model stays eager)."""
+        if self.compiled_modules is not None:
+            return list(self.compiled_modules(model))
+        return [f"layers.{name}" for name, _ in model.layers.named_children()]
+
+    def compile(self, model, backend: str = "inductor") -> None:
+        """Compile `model` in place as the family's training does (`compile_regions`, else each
+        of `compiled_module_names` with fullgraph=True, as torchtitan's per-block compile)."""
+        if self.compile_regions is not None:
+            self.compile_regions(model, backend)
+            return
+        for name in self.compiled_module_names(model):
+            model.get_submodule(name).compile(backend=backend, fullgraph=True)
 
     def adapter_class(self) -> type | None:
         """The state-dict adapter class (`state_dict_adapter`, imported here when it is named)."""

@@ -58,6 +58,18 @@ def flops_per_token(cfg: TitansConfig, seq_len: int) -> float:
 COMPILED_REGIONS = ("attention", "gate", "feed_forward")  # torch's own modules (the norms) cannot be compiled alone
 
 
+def compiled_modules(model) -> list[str]:
+    """The submodules `compile_regions` compiles: a whole-sequence block whole, else its
+    `COMPILED_REGIONS`."""
+    names = []
+    for key, block in model.layers.named_children():
+        if block.memory.cfg.whole_sequence:
+            names.append(f"layers.{key}")
+        else:
+            names += [f"layers.{key}.{name}" for name in COMPILED_REGIONS if getattr(block, name, None) is not None]
+    return names
+
+
 def compile_regions(model, backend: str) -> None:
     """Regional torch.compile of a Titans LM, in place of torchtitan's per-block compile.
 
@@ -77,14 +89,10 @@ def compile_regions(model, backend: str) -> None:
     read fuse with the rest (tracing MAG's block on the meta device: constant in T; MAC's still
     grows with its segments, docs/benchmarks.md)."""
     for block in model.layers.values():
-        if block.memory.cfg.whole_sequence:
-            block.compile(backend=backend, fullgraph=True)
-            continue
-        block.memory.cfg = dataclasses.replace(block.memory.cfg, compiled_chunk_step=True)
-        for name in COMPILED_REGIONS:
-            region = getattr(block, name, None)
-            if region is not None:
-                region.compile(backend=backend, fullgraph=True)
+        if not block.memory.cfg.whole_sequence:
+            block.memory.cfg = dataclasses.replace(block.memory.cfg, compiled_chunk_step=True)
+    for name in compiled_modules(model):
+        model.get_submodule(name).compile(backend=backend, fullgraph=True)
 
 
 def parallelize_titans(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
@@ -112,5 +120,6 @@ def titans_spec(flavor: str, **overrides):
 FAMILY = Family(name="titans", summary="Titans: neural long-term memory as context (MAC), gate (MAG), layer (MAL), "
                 "or alone (LMM) (arXiv:2501.00663)", flavors=FLAVORS, config_class=TitansConfig, plain_class=TitansLM,
                 variant_field="variant", variants=VARIANTS, flops_per_token=flops_per_token,
-                diagnostics=memory_diagnostics, build_spec=titans_spec, compile_regions=compile_regions)
+                diagnostics=memory_diagnostics, build_spec=titans_spec, compile_regions=compile_regions,
+                compiled_modules=compiled_modules)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec
