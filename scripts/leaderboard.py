@@ -4,14 +4,18 @@ the same way, one table (torchtitan_ext/eval/leaderboard*.py).
     python scripts/leaderboard.py --suite ci --out DIR [--rows mela,titans_mac]
     python scripts/leaderboard.py --suite cpu --out DIR --estimate     # cells and tokens, no run
     python scripts/leaderboard.py --suite paper --dry-run [--hf-assets-path FOLDER]
-    python scripts/leaderboard.py --suite mqar --out DIR [--quick] [--seeds N] [--steps N] [--rows a,b]
+    python scripts/leaderboard.py --suite mqar --out DIR [--setting NAME | --quick] [--seeds N] [--steps N] [--rows a,b]
 
 `--suite mqar` (torchtitan_ext/eval/mqar_suite.py): every from-scratch family at one width and
 depth on Zoology's MQAR, per task (key-value count x length) with intervals over seeds, a cost
 column, the hypotheses answered per task; writes DIR/mqar.json (every prompt's per-query
-outcome), DIR/mqar.md, DIR/mqar_accuracy.png and DIR/rows/<row>.json (a rerun reuses finished
-rows). `--quick`: the seconds-long form the tests run; `--seeds N` / `--steps N` override the
-setting's (the first seed sweeps the learning rates).
+outcome), DIR/mqar.md, DIR/mqar_accuracy.png, DIR/mqar_flops.png (accuracy against training
+FLOPs), DIR/rows/<row>.json and DIR/runs/<row>/*.json (a rerun reuses finished rows and runs).
+`--setting`: plateau32 (default: length 32, every run trained to its plateau), plateau128 (the
+second shape: length 128, 8 pairs), full (the published 2026-11-26 run: 900 steps a run);
+`--quick` is `--setting quick`, the seconds-long form the tests run; `--seeds N` / `--steps N`
+override the setting's (the first seed sweeps the learning rates; with a plateau, `--steps` is
+the base the cap multiplies).
 
 Writes DIR/leaderboard.md, DIR/leaderboard.json, DIR/ppl_vs_length.png,
 DIR/recall_vs_length.png; each cell's figures in DIR/cells/<row>/seed<k>.json (a rerun skips
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="preflight and print the multi-node commands")
     parser.add_argument("--estimate", action="store_true", help="print the suite's cells and tokens, run nothing")
     parser.add_argument("--hf-assets-path", help="tokenizer folder standing in for the configs' own (--dry-run)")
-    parser.add_argument("--quick", action="store_true", help="mqar: the tiny setting the tests run")
+    parser.add_argument("--quick", action="store_true", help="mqar: the tiny setting the tests run (--setting quick)")
+    parser.add_argument("--setting", default="plateau32", help="mqar: plateau32, plateau128, full or quick")
     parser.add_argument("--seeds", type=int, help="mqar: number of training seeds")
     parser.add_argument("--steps", type=int, help="mqar: training steps per run")
     args = parser.parse_args(argv)
@@ -92,7 +97,10 @@ def run_mqar(args) -> None:
             raise UserError("--out DIR is needed to run a suite")
         if args.dry_run or args.estimate:
             raise UserError("--dry-run / --estimate are for the paper and cpu suites; the mqar suite runs here")
-        setting = mqar_suite.SETTINGS["quick" if args.quick else "full"]
+        name = "quick" if args.quick else args.setting
+        if name not in mqar_suite.SETTINGS:
+            raise UserError(f"unknown mqar setting '{name}': choose from {', '.join(mqar_suite.SETTINGS)}")
+        setting = mqar_suite.SETTINGS[name]
         if args.seeds is not None:
             if args.seeds < 1:
                 raise UserError("--seeds must be at least 1")

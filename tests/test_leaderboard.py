@@ -343,25 +343,65 @@ def mqar_quick(tmp_path_factory):
 
 def test_verdicts_from_json(mqar_quick):
     """Every verdict (and its interval) rebuilt from mqar.json alone equals the one written;
-    the rebuild reads the items: the full row made perfect turns H1 supported."""
-    from torchtitan_ext.eval import mqar_suite
+    the rebuild reads the items: the full row made perfect turns H1 supported. Each run holds
+    its plateau fields (stop, accuracy at the stop, steps and FLOPs to 0.5 / 0.8 / 0.99, checked
+    against its curve and cost here); the window-only control, answering none of its in-window
+    queries right, leaves H2-H5 without a verdict until it is made perfect inside its window."""
+    from torchtitan_ext.eval import mqar_suite, mqar_verdicts
 
     out, run = mqar_quick
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((out / "mqar.json").read_text())
-    assert results["verdicts"] and mqar_suite.verdicts(results) == results["verdicts"]
+    assert results["verdicts"] and mqar_verdicts.verdicts(results) == results["verdicts"]
     assert {v["hypothesis"] for v in results["verdicts"]} == {h.key for h in mqar_suite.HYPOTHESES}
     perfect = json.loads((out / "mqar.json").read_text())
     for seed in perfect["rows"]["transformer_full"]["seeds"].values():
         for task in seed["tasks"].values():
             task["correct"] = [[1] * len(q) for q in task["correct"]]
-    rebuilt = [v for v in mqar_suite.verdicts(perfect) if v["hypothesis"] == "H1"]
+    rebuilt = [v for v in mqar_verdicts.verdicts(perfect) if v["hypothesis"] == "H1"]
     assert rebuilt and all(v["verdict"] == "supported" and v["ci95"] == [1.0, 1.0] for v in rebuilt)
+    s = mqar_suite.SETTINGS["quick"]
+    for name, row in results["rows"].items():
+        for run in row["seeds"].values():
+            assert run["stop"] in ("target", "plateau", "cap", "non-finite"), name
+            assert run["curve"][-1][0] == run["stop_step"] <= 2 * 2, name  # cap: 2 x 2 steps
+            assert run["plateau_accuracy"] == run["curve"][-1][1] == run["val_accuracy"], name
+            accuracies = [a for _, a in run["curve"]]  # one a step (eval_every 1), window 2
+            if run["stop"] == "plateau":
+                assert len(accuracies) > 2 and max(accuracies[-2:]) <= max(accuracies[:-2]) + 0.01, name
+            if run["stop"] == "cap":
+                assert run["stop_step"] == 4, name
+            for level in ("0.5", "0.8", "0.99"):
+                first = [step for step, accuracy in run["curve"] if accuracy >= float(level)]
+                expected = None if not first else {"step": first[0], "train_flops": first[0] * 4 * 16 * row["cost"][
+                    "train_flops_per_token"]}  # batch 4 x length 16
+                assert run["reach"][level] == expected, (name, level)
+    windowed = [v for v in results["verdicts"] if v["hypothesis"] in ("H2", "H3", "H4", "H5")]
+    for v in windowed:
+        right = asked = 0  # the control's queries within its window on this task, every seed
+        for seed in results["rows"]["transformer_window"]["seeds"].values():
+            task = seed["tasks"][v["task"]]
+            for c, far in zip(task["correct"], task["distance"]):
+                right += sum(ok for ok, d in zip(c, far) if d <= s.window)
+                asked += sum(d <= s.window for d in far)
+        assert v["control_inside"] == pytest.approx(right / asked), v
+        if not v["verdict"].startswith("at floor"):
+            assert right / asked < 0.9 and v["verdict"] == (f"no control (window-only control answers "
+                                                           f"{right / asked:.2f} inside its window < 0.9)"), v
+    assert any(v["verdict"].startswith("no control") for v in windowed)  # the rule, not only the floor, acts here
+    solved = json.loads((out / "mqar.json").read_text())
+    for seed in solved["rows"]["transformer_window"]["seeds"].values():
+        for task in seed["tasks"].values():
+            task["correct"] = [[int(ok or d <= s.window) for ok, d in zip(c, far)]
+                               for c, far in zip(task["correct"], task["distance"])]
+    for v in mqar_verdicts.verdicts(solved):
+        if v["hypothesis"] in ("H2", "H3", "H4", "H5") and not v["verdict"].startswith("at floor"):
+            assert v["control_inside"] == 1.0 and v["verdict"] in ("supported", "not supported", "inconclusive"), v
 
 
 def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick, capsys):
     from conftest import load_script
-    from torchtitan_ext.eval import mqar_suite
+    from torchtitan_ext.eval import mqar_suite, mqar_verdicts
 
     out, run = mqar_quick
     assert run.returncode == 0, run.stderr[-3000:]
@@ -382,7 +422,8 @@ def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick, caps
         cost = row["cost"]
         assert cost["trainable_params"] > 0 and cost["train_flops_per_token"] > cost["eval_flops_per_token"] > 0, name
         assert cost["state_bytes"] > 0 and cost["train_tokens_per_s"] > 0, name
-        assert cost["training_tokens"] == s.steps * s.batch_size * s.train_len, name
+        stops = [r["stop_step"] for r in row["seeds"].values()]
+        assert cost["training_tokens"] == sum(stops) / len(stops) * s.batch_size * s.train_len, name
     # prompts differ across seeds (drawn per seed), and are the same for every row within a seed
     first = results["rows"]["transformer_full"]["seeds"]
     assert first["0"]["tasks"]["kv2_len16"]["distance"] != first["1"]["tasks"]["kv2_len16"]["distance"]
@@ -393,10 +434,10 @@ def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick, caps
     assert costs["transformer_window"] * s.train_len == costs["transformer_full"] * s.window
     markdown = (out / "mqar.md").read_text()
     assert all(f"| {name} |" in markdown for name in mqar_suite.ROWS) and f"LR grid {list(s.lrs)}" in markdown
-    split = mqar_suite.by_distance(results)  # every query at the training length falls on one side of the window
+    split = mqar_verdicts.by_distance(results)  # every query at the training length falls on one side of the window
     assert all(sum(c[1] for c in split[n].values()) == len(s.seeds) * s.test_prompts * sum(
         kv for kv, n_ in s.tasks() if n_ == s.train_len) for n in mqar_suite.ROWS)
-    assert (out / "mqar_accuracy.png").stat().st_size > 0
+    assert (out / "mqar_accuracy.png").stat().st_size > 0 and (out / "mqar_flops.png").stat().st_size > 0
     # a rerun (in this process) reuses every finished row
     load_script("leaderboard").main(["--suite", "mqar", "--quick", "--out", str(out)])
     assert capsys.readouterr().out.count(": reused ") == len(mqar_suite.ROWS)

@@ -70,4 +70,30 @@ def test_training_stops_at_the_first_nonfinite_step():
     with torch.no_grad():
         next(model.parameters()).fill_(math.inf)
     run = mqar.train(model, mqar.Task(seq_len=32, num_kv=2, vocab=64), steps=5, batch_size=4)
-    assert run.nonfinite_step == 1 and run.curve == []
+    assert run.nonfinite_step == 1 and run.curve == [] and run.stop == "non-finite"
+
+
+def test_the_plateau_rule_names_the_target_a_flat_window_or_nothing():
+    rule = mqar.Plateau(target=0.99, gain=0.01, window=3)
+    assert rule.reason([0.2, 0.995]) == "target"
+    assert rule.reason([0.2, 0.5, 0.505, 0.51]) is None  # 3 evaluations, but none before them to compare
+    assert rule.reason([0.2, 0.5, 0.505, 0.51, 0.5]) == "plateau"  # best of the last 3 (0.51) <= 0.5 + 0.01
+    assert rule.reason([0.2, 0.5, 0.505, 0.52, 0.5]) is None  # 0.52 is a gain above 0.01
+    assert rule.reason([0.6, 0.3, 0.3, 0.3]) == "plateau"  # a fall is no gain
+    with pytest.raises(ValueError, match="window >= 1"):
+        mqar.Plateau(window=0)
+
+
+@pytest.mark.parametrize("scores, stop, steps", [
+    ([0.1, 0.4, 0.995, 0.2], "target", 6),  # the evaluation at step 6 reaches 0.99
+    ([0.1, 0.3, 0.305, 0.3, 0.308, 0.9], "plateau", 10),  # steps 4-10: no gain above 0.01 on 0.3
+    ([0.1, 0.2, 0.3, 0.4], "cap", 8),  # gaining to the last step
+])
+def test_training_to_the_plateau_stops_where_the_rule_says(scores, stop, steps):
+    """`train` with a scripted evaluation every 2 steps (its accuracies `scores`) and cap 8
+    steps: it stops after the evaluation the rule names, and the curve ends there."""
+    model = mqar.build_model("transformer", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=32)
+    script = iter(scores)
+    run = mqar.train(model, mqar.Task(seq_len=16, num_kv=2, vocab=32), steps=8 if stop == "cap" else 12, batch_size=2,
+                     eval_every=2, evaluate=lambda m: next(script), until=mqar.Plateau(window=3))
+    assert run.stop == stop and run.curve[-1][0] == steps and [a for _, a in run.curve] == scores[:steps // 2]

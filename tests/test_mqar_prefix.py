@@ -63,7 +63,7 @@ def test_runs_are_recorded_once_each(tmp_path):
     assert len(lines) == 2 and [json.loads(line)["seed"] for line in lines] == [0, 1]
     plain = mqar_prefix.run("transformer_full", QUICK, 0, 3e-3, None)
     assert first[0]["parameters"] == plain["parameters"] + QUICK.width  # the prefix vector, nothing else
-    assert first[0]["curve"][-1][0] == QUICK.steps
+    assert first[0]["curve"][-1][0] == first[0]["stop_step"] <= QUICK.max_steps() and first[0]["stop"] != "non-finite"
     again = mqar_prefix.run_all("transformer_full", QUICK, [1, 2], 3e-3, 0.02, {}, out, log=lambda line: None)
     assert again[0] == first[1]  # seed 1 read back, not retrained
     assert len(out.read_text().splitlines()) == 3
@@ -80,7 +80,7 @@ def test_runs_are_recorded_once_each(tmp_path):
     (["--summary"], "does not exist"),
     (["--row", "mlp_lm", "--set", "bogus=1"], "refuses ['bogus']"),
     (["--row", "mlp_lm", "--seeds", "a-b"], "--seeds 'a-b'"),
-    (["--row", "mela", "--setting", "window=9"], "P * C must equal the window"),
+    (["--row", "mela", "--setting", "mela_span=9"], "must equal mela_span 9"),
     (["--row", "mela", "--setting", "nope=1"], "unexpected keyword argument 'nope'"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from torchtitan_ext.eval import mqar, mqar_suite
+from torchtitan_ext.eval import mqar, mqar_suite, mqar_verdicts
 
 QUICK = mqar_suite.SETTINGS["quick"]
 
@@ -100,10 +100,10 @@ BETTER = dict(key="T", claim="a beats b", model="a", control="b", metric="accura
 
 def test_a_clear_paired_gain_is_supported_and_a_clear_null_is_not():
     gain = _results([[[1, 1]] * 20] * 3, [[[0, 1]] * 20] * 3, BETTER)  # +0.5 on every prompt of every seed
-    (v,) = mqar_suite.verdicts(gain)
+    (v,) = mqar_verdicts.verdicts(gain)
     assert v["verdict"] == "supported" and v["estimate"] == pytest.approx(0.5)
     null = _results([[[0, 1]] * 20] * 3, [[[0, 1]] * 20] * 3, BETTER)  # both 0.5: difference exactly 0
-    (v,) = mqar_suite.verdicts(null)
+    (v,) = mqar_verdicts.verdicts(null)
     assert v["verdict"] == "not supported" and v["ci95"] == [0.0, 0.0]
 
 
@@ -111,26 +111,26 @@ def test_a_noisy_small_difference_is_inconclusive_and_both_rows_at_zero_is_at_fl
     generator = torch.Generator().manual_seed(0)
     noisy_model = [torch.randint(0, 2, (8, 2), generator=generator).tolist() for _ in range(2)]
     noisy_control = [torch.randint(0, 2, (8, 2), generator=generator).tolist() for _ in range(2)]
-    (v,) = mqar_suite.verdicts(_results(noisy_model, noisy_control, BETTER))
+    (v,) = mqar_verdicts.verdicts(_results(noisy_model, noisy_control, BETTER))
     assert v["verdict"] == "inconclusive" and v["ci_width"] > 0.2
-    (v,) = mqar_suite.verdicts(_results([[[0, 0]] * 5] * 2, [[[0, 0]] * 5] * 2, BETTER))
+    (v,) = mqar_verdicts.verdicts(_results([[[0, 0]] * 5] * 2, [[[0, 0]] * 5] * 2, BETTER))
     assert v["verdict"] == "at floor (task)"
 
 
 def test_at_least_uses_its_threshold_minus_tolerance():
     h = dict(BETTER, control=None, metric="accuracy", sense="at_least", threshold=0.9, tolerance=0.05, lengths="trained")
-    assert mqar_suite.verdict(h, (0.86, 0.95)) == "supported"
-    assert mqar_suite.verdict(h, (0.70, 0.84)) == "not supported"
-    assert mqar_suite.verdict(h, (0.80, 0.95)) == "inconclusive"
-    (v,) = mqar_suite.verdicts(_results([[[1, 1]] * 10] * 2, [[[0, 0]] * 10] * 2, h))
+    assert mqar_verdicts.verdict(h, (0.86, 0.95)) == "supported"
+    assert mqar_verdicts.verdict(h, (0.70, 0.84)) == "not supported"
+    assert mqar_verdicts.verdict(h, (0.80, 0.95)) == "inconclusive"
+    (v,) = mqar_verdicts.verdicts(_results([[[1, 1]] * 10] * 2, [[[0, 0]] * 10] * 2, h))
     assert v["verdict"] == "supported"
 
 
 def test_a_hypothesis_answers_only_the_tasks_in_its_scope():
     results = _results([[[1, 1]] * 4] * 2, [[[0, 1]] * 4] * 2, dict(BETTER, lengths="past"))
-    assert mqar_suite.verdicts(results) == []  # the only task is at the trained length
+    assert mqar_verdicts.verdicts(results) == []  # the only task is at the trained length
     longer = _results([[[1, 1]] * 4] * 2, [[[0, 1]] * 4] * 2, dict(BETTER, lengths="past"), length=32)
-    assert [v["task"] for v in mqar_suite.verdicts(longer)] == ["kv2_len32"]
+    assert [v["task"] for v in mqar_verdicts.verdicts(longer)] == ["kv2_len32"]
 
 
 def test_the_hypotheses_name_rows_of_the_suite_and_state_their_numbers():
@@ -146,3 +146,51 @@ def test_a_setting_with_the_window_not_shorter_than_the_sequence_is_refused():
     with pytest.raises(ValueError, match="shorter than the training length"):
         dataclasses.replace(QUICK, window=16, mela_patch=4)
     assert copy.deepcopy(QUICK) == QUICK
+
+
+def _window_results(control_inside_right: int, window: int = 4):
+    """A model row answering every query and a window-only control answering the first
+    `control_inside_right` of its 30 queries within `window` tokens and none beyond: 3 seeds x
+    10 prompts of 2 queries (one at distance 2, one at 12) on one task at length 16."""
+    def row(correct):  # correct(i, near) for prompt i of 30
+        return {"seeds": {str(seed): {"tasks": {"kv2_len16": {
+            "kv": 2, "length": 16, "distance": [[2, 12]] * 10,
+            "correct": [[correct(10 * seed + i, True), correct(10 * seed + i, False)] for i in range(10)]}}}
+            for seed in range(3)}}
+
+    h = dict(BETTER, model="memory", control="transformer_window", control_inside=0.9)
+    return {"setting": {"train_len": 16, "window": window}, "floor": mqar_suite.FLOOR, "hypotheses": [h],
+            "rows": {"memory": row(lambda i, near: 1),
+                     "transformer_window": row(lambda i, near: int(near and i < control_inside_right))}}
+
+
+def test_no_control_no_verdict():
+    """A window-only control answering 26 of its 30 in-window queries (0.87 < 0.9) leaves the
+    hypothesis without a verdict, however large the gain; one answering 27 (0.9) gives one."""
+    (v,) = mqar_verdicts.verdicts(_window_results(26))
+    assert v["verdict"] == "no control (window-only control answers 0.87 inside its window < 0.9)"
+    assert v["control_inside"] == pytest.approx(26 / 30) and v["estimate"] == pytest.approx(1 - 26 / 60)
+    (v,) = mqar_verdicts.verdicts(_window_results(27))
+    assert v["verdict"] == "supported" and v["control_inside"] == pytest.approx(0.9)
+    (v,) = mqar_verdicts.verdicts(_window_results(27, window=1))  # no query within 1 token
+    assert v["verdict"] == "no control (no query inside the window)" and v["control_inside"] is None
+    without_rule = _window_results(0)
+    without_rule["hypotheses"][0]["control_inside"] = None
+    assert mqar_verdicts.verdicts(without_rule)[0]["verdict"] == "supported"
+
+
+def test_reach_gives_the_first_evaluation_at_each_level_in_steps_and_flops():
+    curve = [[100, 0.3], [200, 0.55], [300, 0.5], [400, 0.85]]
+    assert mqar_verdicts.reach(curve, tokens_per_step=1024, flops_per_token=2.0) == {
+        "0.5": {"step": 200, "train_flops": 200 * 1024 * 2.0}, "0.8": {"step": 400, "train_flops": 400 * 1024 * 2.0},
+        "0.99": None}
+
+
+def test_the_second_shape_keeps_melas_span_apart_from_the_window():
+    s = mqar_suite.SETTINGS["plateau128"]
+    assert (s.train_len, s.window, s.memory_chunk, s.mela_span, s.mela_patch * s.mela_chunk) == (128, 16, 8, 64, 64)
+    assert mqar_suite.row_spec("mela", s)[1]["patch_size"] * mqar_suite.row_spec("mela", s)[1]["chunk_size"] == 64
+    assert mqar_suite.row_spec("titans_mac", s)[1]["window"] == 16 and s.max_steps() == 6 * s.steps
+    with pytest.raises(ValueError, match="must equal mela_span 64"):
+        dataclasses.replace(s, mela_chunk=4)
+    assert mqar_suite.SETTINGS["full"].plateau() is None and s.plateau() == mqar.Plateau(0.99, 0.01, 10)

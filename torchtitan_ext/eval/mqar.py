@@ -9,9 +9,10 @@ accuracy count only the positions whose next token is a recalled value (Zoology'
 
 `build_model(name, **fields)`: a family's model at any width ("transformer": torchtitan's
 llama3, the Transformer++ users train; the others their plain `models/` class), from the
-family's debug flavor with `fields` overriding it. `train(model, task, ...)`: AdamW, a fixed
-number of steps on fresh batches, accuracy on a held-out batch every `eval_every` steps; the
-run stops early (`nonfinite_step`) when the loss or a parameter stops being finite.
+family's debug flavor with `fields` overriding it. `train(model, task, ...)`: AdamW, up to
+`steps` steps on fresh batches, accuracy on a held-out batch every `eval_every` steps; the run
+stops early (`nonfinite_step`) when the loss or a parameter stops being finite, and, given a
+`Plateau`, when validation accuracy reaches its target or stops gaining.
 """
 
 from __future__ import annotations
@@ -126,20 +127,47 @@ def accuracy(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     return (predicted[answers] == targets[answers]).float().mean().item()
 
 
+@dataclass(frozen=True)
+class Plateau:
+    """When a run has learned what it will: checked after every evaluation on the accuracies
+    so far (one per evaluation, oldest first). "target": the last accuracy is >= `target`;
+    "plateau": more than `window` evaluations ran and the best of the last `window` is at most
+    `gain` above the best of those before them (no gain above `gain` over `window`
+    evaluations); None: keep training."""
+
+    target: float = 0.99
+    gain: float = 0.01
+    window: int = 10
+
+    def __post_init__(self):
+        if self.window < 1 or not 0 < self.target <= 1 or self.gain < 0:
+            raise ValueError(f"Plateau needs window >= 1, 0 < target <= 1 and gain >= 0, not {self}")
+
+    def reason(self, accuracies: list[float]) -> str | None:
+        if accuracies and accuracies[-1] >= self.target:
+            return "target"
+        if len(accuracies) > self.window and max(accuracies[-self.window:]) <= max(accuracies[:-self.window]) + self.gain:
+            return "plateau"
+        return None
+
+
 @dataclass
 class Run:
     """What `train` measured: (step, accuracy) every eval, the last loss, the first step whose
-    loss or parameters were not finite (None: all finite)."""
+    loss or parameters were not finite (None: all finite), and why it stopped: "target" or
+    "plateau" (`Plateau.reason`), "non-finite", or "cap" (it ran every step)."""
 
     curve: list[tuple[int, float]] = field(default_factory=list)
     last_loss: float = math.nan
     nonfinite_step: int | None = None
+    stop: str = "cap"
 
 
 def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int, lr: float = 3e-3, batch_size: int = 64,
           eval_every: int = 250, eval_size: int = 256, seed: int = 0, weight_decay: float = 0.1,
           warmup_fraction: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), clip_norm: float = 0.0,
-          cosine_steps: int = 0, after_step: Callable[[int, float], bool] | None = None) -> Run:
+          cosine_steps: int = 0, after_step: Callable[[int, float], bool] | None = None,
+          evaluate: Callable[[torch.nn.Module], float] | None = None, until: Plateau | None = None) -> Run:
     """AdamW (betas (0.9, 0.95), weight decay 0.1 as the paper recipes; lr constant after a linear
     warmup over `warmup_fraction` of the steps), `steps` steps on fresh batches, accuracy on
     one held-out batch (its own seed) every `eval_every` steps and at the end. `task` may be
@@ -147,9 +175,15 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
     `clip_norm` > 0 clips the gradients' total norm; `cosine_steps` > 0 decays the lr by a cosine
     to 0 over that many steps after the warmup (the warmup then spans `warmup_fraction` of
     them); `after_step(step, loss)` runs after each update and returning True marks the step
-    non-finite and stops the run (e.g. a memory state that left the finite range)."""
+    non-finite and stops the run (e.g. a memory state that left the finite range).
+    `evaluate(model)` (in eval mode) replaces the held-out batch's accuracy; `until` stops the
+    run after the evaluation at which `until.reason(accuracies)` names a reason (`Run.stop`)."""
     generator = torch.Generator().manual_seed(seed)
-    held_out = mixed_batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
+    if evaluate is None:
+        held_out = mixed_batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
+
+        def evaluate(m: torch.nn.Module) -> float:
+            return accuracy(m, *held_out)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
     warmup = max(1, int((cosine_steps or steps) * warmup_fraction))
 
@@ -174,9 +208,13 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
         finite = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()  # one host sync, not one a tensor
         stop = after_step(step, run.last_loss) if after_step is not None else False
         if not math.isfinite(run.last_loss) or not finite.item() or stop:
-            run.nonfinite_step = step
+            run.nonfinite_step, run.stop = step, "non-finite"
             break
         if step % eval_every == 0 or step == steps:
-            run.curve.append((step, accuracy(model.eval(), *held_out)))
+            run.curve.append((step, evaluate(model.eval())))
             model.train()
+            reason = until.reason([a for _, a in run.curve]) if until is not None else None
+            if reason is not None:
+                run.stop = reason
+                break
     return run

@@ -64,7 +64,7 @@ def validation_by_distance(model: torch.nn.Module, s: mqar_suite.Setting, seed: 
     """[right, asked] over the validation queries (every training key-value count) whose pair
     lies within `s.window` tokens of the query, and [right, asked] over the others: those no
     attention spanning `window` tokens reaches, so only a memory answers them. A chunk-local
-    decoder (Mela's, P*C = window) reaches only part of the first group: pairs in its own chunk."""
+    decoder (Mela's, P*C = mela_span) reaches only pairs in its own chunk."""
     inside, beyond = [0, 0], [0, 0]
     for kv in s.train_kv:
         correct, distance = mqar.answers(model, *mqar_suite.prompts(s, kv, s.train_len, s.val_prompts, seed, "validation"))
@@ -89,7 +89,8 @@ def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std:
     inside, beyond = validation_by_distance(model.eval(), setting, seed)
     return {"row": row, "prefix_std": prefix_std, "overrides": overrides, "setting_changes": setting_changes(setting),
             "seed": seed, "lr": lr, "steps": setting.steps, "parameters": sum(p.numel() for p in model.parameters()),
-            "curve": [list(point) for point in record["curve"]], "val_accuracy": record["val_accuracy"],
+            "curve": record["curve"], "stop": record["stop"], "stop_step": record["stop_step"],
+            "val_accuracy": record["val_accuracy"],
             "solved": record["val_accuracy"] >= SOLVED, "within_window": inside, "beyond_window": beyond,
             "train_seconds": record["train_seconds"]}
 

@@ -13,10 +13,23 @@ windowed rows spans `window` tokens, shorter than `train_len`: the window-only T
 the registry's llama3 has no sliding-window option on CPU, so the mask is set here), Titans
 MAC (segments of `window`; `titans_mac_inputs` is its ablation writing the segment's inputs
 instead of the attention outputs, TitansConfig.mac_write), MAG and MAL (sliding window of
-`window`), Mela (decoder chunks of P*C = `window` tokens, each reading C memory tokens). Titans LMM has no attention; the full
-Transformer++ and the MLP-FFN LM attend to every earlier token. The memory-off Mela twin is
-Mela's own switch (`memory_path=False`: every chunk reads the initial memory tokens, the HMM
-never runs).
+`window`), Mela (decoder chunks of P*C = `mela_span` tokens, each reading C memory tokens).
+Titans LMM has no attention; the full Transformer++ and the MLP-FFN LM attend to every
+earlier token. The memory-off Mela twin is Mela's own switch (`memory_path=False`: every chunk
+reads the initial memory tokens, the HMM never runs).
+
+Training budget: `cap_factor` 0 trains every run `steps` steps (the published 2026-11-26 run).
+`cap_factor` k >= 1 trains each run to its plateau: validation accuracy (the `val_prompts`
+validation prompts per training task, mean over the tasks) every `eval_every` steps, and the
+run stops at the first of: accuracy >= 0.99 ("target"), no gain above 0.01 over the last
+`plateau_window` evaluations against the best before them ("plateau", mqar.Plateau), or k x
+`steps` steps ("cap"; `steps` is the Transformer++'s budget). At T32 an evaluation every 100
+steps and a window of 10 ask a run to stay flat for 1,000 steps, longer than the
+Transformer++'s whole 900-step budget, before it is called stopped; the phase changes seen so
+far (docs/benchmarks.md) came within such spans. The test items are answered by the model as
+it stopped; per run the JSON keeps the curve, the stop step and reason, the accuracy at the
+stop ("plateau_accuracy") and the steps and training FLOPs to reach 0.5, 0.8 and 0.99
+(mqar_verdicts.reach).
 
 Learning rate: the grid `lrs` (the same for every row) is swept on the first seed; the rate
 whose run scores the highest accuracy on `val_prompts` held-out validation prompts per
@@ -30,43 +43,38 @@ distance is kept in the JSON.
 Intervals: 95%, seeds resampled, then prompts inside each seed (torchtitan_ext/eval/stats.py
 `seed_item_bootstrap`, 2000 resamples, resampling generator seed 0, so the JSON rebuilds
 them exactly); a comparison resamples the per-prompt differences of the paired rows.
+Verdicts, the floor and the no-control rule: torchtitan_ext/eval/mqar_verdicts.py.
 
-Verdicts (`verdict`): per hypothesis and task, never pooled across tasks. A task on which
-every row's pooled accuracy is at most FLOOR is "at floor" and has no verdict; so is a
-comparison whose rows are both at most FLOOR on that task (neither can show a difference).
-"at_least" (a row's accuracy a, threshold t, tolerance e): supported when the interval's low
-end is >= t - e, not supported when its high end is < t - e. "better" (paired difference
-d = model - control, tolerance e, smallest effect s > e): supported when low > e, not
-supported when high < s (the interval rules out the smallest effect the hypothesis names);
-anything else is inconclusive.
+Resuming: each run (row, lr, seed) is written to DIR/runs/<row>/lr<lr>_seed<seed>.json as it
+ends and each finished row to DIR/rows/<row>.json; a rerun with the same setting skips both.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from torchtitan_ext.eval import mqar
-from torchtitan_ext.eval.stats import format_summary, seed_item_bootstrap, summarize_seeds
+from torchtitan_ext.eval import mqar, mqar_report
+from torchtitan_ext.eval.mqar_verdicts import RESAMPLES, floor_tasks, reach, summaries, task_key, verdicts
 
-DATE = "2026-11-26"
+DATE = "2026-11-28"
 FLOOR = 0.05  # pooled accuracy at or below this is "at floor" (chance: 2 / vocab)
-RESAMPLES = 2000
 
 
 @dataclass(frozen=True)
 class Setting:
     """One size of the suite (module docstring). lrs: the grid; seeds: training seeds (the
     first sweeps the grid); memory_chunk: the Titans memory's chunk; mela_patch x mela_chunk
-    = window (Mela's P and C); mela_cycles: Mela's H = L (the debug flavour's 2 cost 1.7x the
-    step of 1 here, Mela's HMM being ~25x a Transformer++ step: 1 to fit the CPU budget)."""
+    = mela_span (Mela's P and C; its decoder chunk in tokens); mela_cycles: Mela's H = L (the
+    debug flavour's 2 cost 1.7x the step of 1 here, Mela's HMM being ~25x a Transformer++ step:
+    1 to fit the CPU budget); steps, cap_factor, eval_every, plateau_window: the training
+    budget (module docstring)."""
 
     name: str
     width: int = 64
@@ -87,24 +95,40 @@ class Setting:
     memory_chunk: int = 8
     mela_patch: int = 2
     mela_chunk: int = 4
+    mela_span: int = 8
     mela_cycles: int = 1
     warmup_fraction: float = 0.1
     weight_decay: float = 0.1
+    cap_factor: int = 0
+    eval_every: int = 225
+    plateau_window: int = 10
 
     def __post_init__(self):
         if self.window >= self.train_len:
             raise ValueError(f"window {self.window} must be shorter than the training length {self.train_len}")
-        if self.mela_patch * self.mela_chunk != self.window:
-            raise ValueError("Mela's P * C must equal the window")
+        if self.mela_patch * self.mela_chunk != self.mela_span or self.mela_span > self.train_len:
+            raise ValueError(f"Mela's P * C ({self.mela_patch} x {self.mela_chunk}) must equal mela_span "
+                             f"{self.mela_span}, at most the training length {self.train_len}")
         if self.train_len not in self.eval_lengths:
             raise ValueError("the training length must be one of the evaluation lengths")
+        if self.cap_factor < 0 or self.eval_every < 1 or self.plateau_window < 1:
+            raise ValueError(f"cap_factor must be >= 0, eval_every and plateau_window >= 1 (got {self.cap_factor}, "
+                             f"{self.eval_every}, {self.plateau_window})")
+
+    def max_steps(self) -> int:
+        """The steps a run may take: `steps`, or `cap_factor` x `steps` when it trains to its plateau."""
+        return self.steps * max(1, self.cap_factor)
+
+    def plateau(self) -> mqar.Plateau | None:
+        """The stopping rule (None: a fixed `steps`)."""
+        return mqar.Plateau(target=0.99, gain=0.01, window=self.plateau_window) if self.cap_factor else None
 
     def tasks(self) -> list[tuple[int, int]]:
         """(key-value count, length) of every test task that fits (4 * kv <= length)."""
         return [(kv, n) for kv in self.eval_kv for n in self.eval_lengths if 4 * kv <= n]
 
-    def training_tokens(self) -> int:
-        return self.steps * self.batch_size * self.train_len
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.train_len
 
 
 SETTINGS = {
@@ -112,10 +136,19 @@ SETTINGS = {
     # Transformer++ solved it at lr 3e-3 after ~450 / 600 / 700+ steps on seeds 0 / 2 / 1 in a 700-step
     # trial (vocabulary 256 at length 64 needed twice the steps at twice the batch).
     "full": Setting("full"),
-    # Seconds: the form the tests run (the numbers mean nothing).
+    # Issue 48: the full shape trained to the plateau (cap 5,400 steps), 3 seeds.
+    "plateau32": Setting("plateau32", seeds=(0, 1, 2), cap_factor=6, eval_every=100),
+    # Issue 48's second shape: length 128, 8 pairs (tested on 8 and 16, at 128 and 256), window and MAC
+    # segment T/8 = 16, Mela's decoder chunk T/2 = 64 (P 32, C 2: the paper's chunk : length ratio), memory
+    # chunks of 8, the Transformer++'s budget taken as 1,000 steps (cap 6,000), 5 seeds.
+    "plateau128": Setting("plateau128", train_len=128, window=16, train_kv=(8,), eval_kv=(8, 16), eval_lengths=(128, 256),
+                          steps=1000, seeds=(0, 1, 2, 3, 4), mela_patch=32, mela_chunk=2, mela_span=64, cap_factor=6,
+                          eval_every=100),
+    # Seconds: the form the tests run (the numbers mean nothing); trains to a plateau of 2 evaluations, cap 4 steps.
     "quick": Setting("quick", width=16, layers=2, heads=2, vocab=32, train_len=16, window=8, train_kv=(2,), eval_kv=(2,),
                      eval_lengths=(16, 32), steps=2, batch_size=4, lrs=(1e-3, 3e-3), seeds=(0, 1), val_prompts=4,
-                     test_prompts=6, memory_chunk=4, mela_patch=2, mela_chunk=4),
+                     test_prompts=6, memory_chunk=4, mela_patch=2, mela_chunk=4, cap_factor=2, eval_every=1,
+                     plateau_window=2),
 }
 
 # Cheapest first (Mela's HMM costs ~40x a Transformer++ step here), so a run cut short keeps most rows.
@@ -179,7 +212,9 @@ class Hypothesis:
     (the model row's, sense "at_least" a threshold) or "accuracy_difference" (model - control,
     paired, sense "better"); tolerance, threshold, smallest_effect: in accuracy units;
     expected_width: the 95% interval's width expected from the design; lengths: "trained"
-    (the training length), "past" (longer ones) or "all"."""
+    (the training length), "past" (longer ones) or "all"; control_inside: the share of the
+    queries inside its window the control must answer on a task for a verdict there (None:
+    no such rule; mqar_verdicts "no control, no verdict")."""
 
     key: str
     claim: str
@@ -193,9 +228,7 @@ class Hypothesis:
     threshold: float | None = None
     lengths: str = "trained"
     why: str = ""
-
-    def in_scope(self, length: int, train_len: int) -> bool:
-        return {"trained": length == train_len, "past": length > train_len, "all": True}[self.lengths]
+    control_inside: float | None = None
 
 
 HYPOTHESES = (
@@ -204,17 +237,17 @@ HYPOTHESES = (
                why="Zoology: attention solves MQAR at every width; the yardstick's own check"),
     Hypothesis("H2", "Titans LMM beats the window-only Transformer++ at length > window", "titans_lmm",
                "transformer_window", "accuracy_difference", "better", tolerance=0.02, smallest_effect=0.1,
-               expected_width=0.15, lengths="all",
+               expected_width=0.15, lengths="all", control_inside=0.9,
                why="issue 40's example; a memory reaches keys that fell out of the window"),
     Hypothesis("H3", "Titans MAC beats the window-only Transformer++ at length > window", "titans_mac",
                "transformer_window", "accuracy_difference", "better", tolerance=0.02, smallest_effect=0.1,
-               expected_width=0.15, lengths="all", why="Titans: the memory serves what the window cannot"),
+               expected_width=0.15, lengths="all", control_inside=0.9, why="Titans: the memory serves what the window cannot"),
     Hypothesis("H4", "Titans MAG beats the window-only Transformer++ at length > window", "titans_mag",
                "transformer_window", "accuracy_difference", "better", tolerance=0.02, smallest_effect=0.1,
-               expected_width=0.15, lengths="all", why="as H3"),
+               expected_width=0.15, lengths="all", control_inside=0.9, why="as H3"),
     Hypothesis("H5", "Titans MAL beats the window-only Transformer++ at length > window", "titans_mal",
                "transformer_window", "accuracy_difference", "better", tolerance=0.02, smallest_effect=0.1,
-               expected_width=0.15, lengths="all", why="as H3"),
+               expected_width=0.15, lengths="all", control_inside=0.9, why="as H3"),
     Hypothesis("H6", "Mela beats its memory-off twin", "mela", "mela_memory_off", "accuracy_difference", "better",
                tolerance=0.02, smallest_effect=0.1, expected_width=0.15, lengths="all",
                why="Mela's HMM carries the context past the decoder's chunk"),
@@ -240,28 +273,48 @@ def prompts(s: Setting, kv: int, length: int, count: int, seed: int, split: str)
     return mqar.batch(mqar.Task(seq_len=length, num_kv=kv, vocab=s.vocab), count, generator)
 
 
-def validation_accuracy(model: torch.nn.Module, s: Setting, seed: int) -> float:
+def validation_accuracies(model: torch.nn.Module, s: Setting, seed: int) -> dict[str, float]:
+    """{str(kv): accuracy on the `val_prompts` validation prompts of each training task}; the
+    model is left in train mode."""
     model.eval()
-    scores = [mqar.accuracy(model, *prompts(s, kv, s.train_len, s.val_prompts, seed, "validation")) for kv in s.train_kv]
+    scores = {str(kv): mqar.accuracy(model, *prompts(s, kv, s.train_len, s.val_prompts, seed, "validation"))
+              for kv in s.train_kv}
     model.train()
-    return sum(scores) / len(scores)
+    return scores
 
 
 def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row) -> tuple[torch.nn.Module, dict]:
-    """One row trained at one seed and rate: (model, record). `build(name, s)` makes the model
-    (after `torch.manual_seed(seed)`)."""
+    """One row trained at one seed and rate (to its plateau when `s.cap_factor`, else `s.steps`
+    steps): (model, record). `build(name, s)` makes the model (after `torch.manual_seed(seed)`).
+    The record: "curve" [[step, validation accuracy (mean over the training tasks)]], every
+    `eval_every` steps and at the stop; "curve_by_kv" the same per training task; "stop" (the
+    reason: mqar.Run.stop) and "stop_step"; "val_accuracy" the last evaluation (-1.0 when the
+    run went non-finite: it ranks last in the sweep) and "plateau_accuracy" the same (None when
+    non-finite); "nonfinite_step", "last_loss", "train_tokens", "train_seconds"."""
     torch.manual_seed(seed)
     model = build(name, s)
     tasks = tuple(mqar.Task(seq_len=s.train_len, num_kv=kv, vocab=s.vocab) for kv in s.train_kv)
+    by_kv = []
+
+    def evaluate(m: torch.nn.Module) -> float:
+        scores = validation_accuracies(m, s, seed)
+        by_kv.append(scores)
+        return sum(scores.values()) / len(scores)
+
     start = time.perf_counter()
-    run = mqar.train(model, tasks, steps=s.steps, lr=lr, batch_size=s.batch_size, eval_every=max(1, s.steps // 4),
-                     eval_size=s.val_prompts, seed=10_000 + seed, weight_decay=s.weight_decay,
-                     warmup_fraction=s.warmup_fraction)
+    run = mqar.train(model, tasks, steps=s.max_steps(), lr=lr, batch_size=s.batch_size, eval_every=s.eval_every,
+                     seed=10_000 + seed, weight_decay=s.weight_decay, warmup_fraction=s.warmup_fraction,
+                     evaluate=evaluate, until=s.plateau())
     seconds = time.perf_counter() - start
-    steps_done = run.nonfinite_step or s.steps
-    record = {"seed": seed, "lr": lr, "train_seconds": seconds, "train_tokens_per_s": steps_done * s.batch_size * s.train_len / seconds,
-              "nonfinite_step": run.nonfinite_step, "curve": run.curve, "last_loss": run.last_loss,
-              "val_accuracy": validation_accuracy(model, s, seed) if run.nonfinite_step is None else -1.0}
+    steps_done = run.nonfinite_step or (run.curve[-1][0] if run.curve else 0)
+    finite = run.nonfinite_step is None
+    record = {"seed": seed, "lr": lr, "train_seconds": seconds, "train_tokens": steps_done * s.tokens_per_step(),
+              "train_tokens_per_s": steps_done * s.tokens_per_step() / seconds, "nonfinite_step": run.nonfinite_step,
+              "stop": run.stop, "stop_step": steps_done, "curve": [list(point) for point in run.curve],
+              "curve_by_kv": [[step, scores] for (step, _), scores in zip(run.curve, by_kv)], "last_loss": run.last_loss,
+              "val_accuracy": run.curve[-1][1] if finite else -1.0,
+              "plateau_accuracy": run.curve[-1][1] if finite else None}
+    model.eval()
     return model, record
 
 
@@ -279,10 +332,6 @@ def test_items(model: torch.nn.Module, s: Setting, seed: int) -> dict:
         out[task_key(kv, length)] = {"kv": kv, "length": length, "correct": torch.cat(correct).int().tolist(),
                                      "distance": torch.cat(distance).tolist()}
     return out
-
-
-def task_key(kv: int, length: int) -> str:
-    return f"kv{kv}_len{length}"
 
 
 def cost(name: str, s: Setting, model: torch.nn.Module) -> dict:
@@ -305,8 +354,7 @@ def cost(name: str, s: Setting, model: torch.nn.Module) -> dict:
     eval_flops = counter.get_total_flops() / tokens.numel()
     return {"trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "train_flops_per_token": train_flops, "eval_flops_per_token": eval_flops,
-            "analytic_train_flops_per_token": analytic_flops(name, s), "state_bytes": state_bytes_of(name, s, model),
-            "training_tokens": s.training_tokens()}
+            "analytic_train_flops_per_token": analytic_flops(name, s), "state_bytes": state_bytes_of(name, s, model)}
 
 
 def analytic_flops(name: str, s: Setting) -> float | None:
@@ -338,125 +386,53 @@ def state_bytes_of(name: str, s: Setting, model: torch.nn.Module) -> int:
     return 2 * s.layers * span * kv_heads * (s.width // s.heads) * 4
 
 
-def run_row(name: str, s: Setting, log=print) -> dict:
-    """A row's sweep, its seeds at the chosen rate, their test items and its cost."""
+def trained(name: str, s: Setting, seed: int, lr: float, folder: Path, log=print) -> dict:
+    """One run's record (`train_run`) with its test items ("tasks"), read from
+    folder/lr<lr>_seed<seed>.json when that file holds a run of this setting, else trained
+    and written there as it ends."""
+    path = folder / f"lr{lr:g}_seed{seed}.json"
+    setting = json.loads(json.dumps(dataclasses.asdict(s)))
+    if path.is_file() and json.loads(path.read_text())["setting"] == setting:
+        return json.loads(path.read_text())["record"]
+    model, record = train_run(name, s, seed, lr)
+    record["tasks"] = test_items(model, s, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setting": setting, "record": record}))
+    log(f"{name} seed {seed} lr {lr:g}: validation {record['val_accuracy']:.3f}, stopped at step {record['stop_step']} "
+        f"({record['stop']}; {record['train_seconds']:.0f} s)")
+    return record
+
+
+def run_row(name: str, s: Setting, folder: Path, log=print) -> dict:
+    """A row's sweep, its seeds at the chosen rate (each run resumable: `trained` under
+    `folder`), their test items, its cost (on the untrained model: counts and state sizes do
+    not depend on the weights) and each run's steps and FLOPs to the accuracy levels
+    (mqar_verdicts.reach)."""
     first, rest = s.seeds[0], s.seeds[1:]
-    sweep, models = [], {}
-    for lr in s.lrs:
-        model, record = train_run(name, s, first, lr)
-        sweep.append(record)
-        models[lr] = model
-        log(f"{name} seed {first} lr {lr:g}: validation {record['val_accuracy']:.3f} "
-            f"({record['train_seconds']:.0f} s{', non-finite at step %d' % record['nonfinite_step'] if record['nonfinite_step'] else ''})")
+    torch.manual_seed(first)
+    row_cost = cost(name, s, build_row(name, s))
+    sweep = [trained(name, s, first, lr, folder, log) for lr in s.lrs]
     best = max(sweep, key=lambda r: r["val_accuracy"])  # first of the grid on a tie
-    seeds = {str(first): {**best, "tasks": test_items(models[best["lr"]], s, first)}}
-    row_cost = cost(name, s, models[best["lr"]])
-    del models
-    for seed in rest:
-        model, record = train_run(name, s, seed, best["lr"])
-        seeds[str(seed)] = {**record, "tasks": test_items(model, s, seed)}
-        log(f"{name} seed {seed} lr {best['lr']:g}: validation {record['val_accuracy']:.3f} ({record['train_seconds']:.0f} s)")
+    runs = [best] + [trained(name, s, seed, best["lr"], folder, log) for seed in rest]
+    for record in sweep + runs:
+        record["reach"] = reach(record["curve"], s.tokens_per_step(), row_cost["train_flops_per_token"])
+    seeds = {str(r["seed"]): r for r in runs}
     registry, fields = row_spec(name, s)
-    row_cost["train_seconds"] = sum(r["train_seconds"] for r in seeds.values()) / len(seeds)
-    row_cost["train_tokens_per_s"] = sum(r["train_tokens_per_s"] for r in seeds.values()) / len(seeds)
+    for key in ("train_seconds", "train_tokens_per_s"):
+        row_cost[key] = sum(r[key] for r in runs) / len(runs)
+    row_cost["training_tokens"] = sum(r["train_tokens"] for r in runs) / len(runs)
     return {"registry": registry, "fields": {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
                                              for k, v in fields.items()},
-            "windowed": name in WINDOWED, "best_lr": best["lr"], "sweep": sweep, "seeds": seeds, "cost": row_cost}
-
-
-# --- statistics and verdicts (from the JSON alone) ------------------------------------------
-
-def prompt_values(row: dict, key: str) -> list[list[float]]:
-    """Per seed (in seed order), each prompt's share of queries answered right on task `key`."""
-    return [[sum(q) / len(q) for q in row["seeds"][seed]["tasks"][key]["correct"]]
-            for seed in sorted(row["seeds"], key=int)]
-
-
-def summaries(results: dict) -> dict:
-    """{row: {task: summarize_seeds of its per-prompt accuracy}}."""
-    return {name: {key: summarize_seeds(prompt_values(row, key), resamples=RESAMPLES)
-                   for key in next(iter(row["seeds"].values()))["tasks"]}
-            for name, row in results["rows"].items()}
-
-
-def by_distance(results: dict) -> dict:
-    """Exploratory (added after the first run was started, not a hypothesis): per row, the
-    share of queries answered right at the training length, every key-value count and seed
-    pooled, split by the key's distance: within the window (<= window tokens back, where the
-    windowed rows' attention reaches the pair's value) and beyond it. {row: {"inside": [right,
-    asked], "beyond": [right, asked]}}."""
-    s = results["setting"]
-    out = {}
-    for name, row in results["rows"].items():
-        counts = {"inside": [0, 0], "beyond": [0, 0]}
-        for seed in row["seeds"].values():
-            for task in seed["tasks"].values():
-                if task["length"] != s["train_len"]:
-                    continue
-                for right, far in zip(task["correct"], task["distance"]):
-                    for ok, d in zip(right, far):
-                        side = counts["inside" if d <= s["window"] else "beyond"]
-                        side[0] += ok
-                        side[1] += 1
-        out[name] = counts
-    return out
-
-
-def floor_tasks(results: dict, table: dict) -> list[str]:
-    """Tasks on which every row's pooled accuracy is at most FLOOR."""
-    keys = next(iter(table.values())).keys() if table else []
-    return [k for k in keys if all(table[row][k]["pooled"] <= results["floor"] for row in table)]
-
-
-def verdict(h: dict, interval: tuple[float, float]) -> str:
-    """The module docstring's rule for one hypothesis (its JSON dict) on one task's interval."""
-    low, high = interval
-    if h["sense"] == "at_least":
-        bar = h["threshold"] - h["tolerance"]
-        return "supported" if low >= bar else "not supported" if high < bar else "inconclusive"
-    if h["sense"] == "better":
-        return ("supported" if low > h["tolerance"] else "not supported" if high < h["smallest_effect"]
-                else "inconclusive")
-    raise ValueError(f"unknown sense {h['sense']}")
-
-
-def verdicts(results: dict) -> list[dict]:
-    """Every hypothesis answered on every task in its scope, from the JSON's items alone."""
-    table = summaries(results)
-    floored = set(floor_tasks(results, table))
-    out = []
-    for h in results["hypotheses"]:
-        rows = [h["model"]] + ([h["control"]] if h["control"] else [])
-        if any(r not in results["rows"] for r in rows):
-            out.append({"hypothesis": h["key"], "task": None, "verdict": "not run", "ci95": None, "estimate": None})
-            continue
-        for key, task in next(iter(results["rows"][h["model"]]["seeds"].values()))["tasks"].items():
-            if not Hypothesis(**h).in_scope(task["length"], results["setting"]["train_len"]):
-                continue
-            model = prompt_values(results["rows"][h["model"]], key)
-            if h["control"]:
-                control = prompt_values(results["rows"][h["control"]], key)
-                values = [[a - b for a, b in zip(m, c)] for m, c in zip(model, control)]
-            else:
-                values = model
-            estimate = sum(map(sum, values)) / sum(map(len, values))
-            interval = seed_item_bootstrap(values, resamples=RESAMPLES)
-            if key in floored:
-                answer = "at floor (task)"
-            elif h["control"] and all(table[r][key]["pooled"] <= results["floor"] for r in rows):
-                answer = "at floor (both rows)"
-            else:
-                answer = verdict(h, interval)
-            out.append({"hypothesis": h["key"], "task": key, "estimate": estimate, "ci95": list(interval),
-                        "ci_width": interval[1] - interval[0], "verdict": answer})
-    return out
+            "windowed": name in WINDOWED, "best_lr": best["lr"], "seeds": seeds, "cost": row_cost,
+            "sweep": [{k: v for k, v in r.items() if k != "tasks"} for r in sweep]}
 
 
 # --- the suite ---------------------------------------------------------------------------
 
 def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) -> dict:
-    """Every row (a finished row's DIR/rows/<row>.json is reused), then DIR/mqar.json and
-    DIR/mqar.md (and DIR/mqar_accuracy.png)."""
+    """Every row (a finished row's DIR/rows/<row>.json is reused, a finished run's
+    DIR/runs/<row>/*.json too), then DIR/mqar.json, DIR/mqar.md, and (with matplotlib)
+    DIR/mqar_accuracy.png and DIR/mqar_flops.png."""
     torch.set_flush_denormal(True)
     (out / "rows").mkdir(parents=True, exist_ok=True)
     results = {"suite": "mqar", "date": DATE, "setting": dataclasses.asdict(s), "floor": FLOOR,
@@ -472,7 +448,7 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) ->
             results["rows"][name] = json.loads(path.read_text())["row"]
             log(f"{name}: reused {path}")
             continue
-        results["rows"][name] = run_row(name, s, log)
+        results["rows"][name] = run_row(name, s, out / "runs" / name, log)
         path.write_text(json.dumps({"setting": results["setting"], "row": results["rows"][name]}))
     results["wall_seconds"] = time.perf_counter() - start
     table = summaries(results)
@@ -480,128 +456,10 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) ->
     results["floor_tasks"] = floor_tasks(results, table)
     results["verdicts"] = verdicts(results)
     (out / "mqar.json").write_text(json.dumps(results, indent=None))
-    (out / "mqar.md").write_text(markdown(results))
+    (out / "mqar.md").write_text(mqar_report.markdown(results))
     try:
-        plot(results, out / "mqar_accuracy.png")
+        mqar_report.plot(results, out / "mqar_accuracy.png")
+        mqar_report.plot_flops(results, out / "mqar_flops.png")
     except ImportError:  # matplotlib is optional
         pass
     return results
-
-
-def _si(value: float | None) -> str:
-    if value is None:
-        return "-"
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f}{unit}"
-    return f"{value:.0f}"
-
-
-def headline(results: dict) -> list[str]:
-    """The headline table: row, cost, accuracy at the training length per key-value count
-    (interval over seeds then prompts), accuracy at the longest length, verdicts naming the row."""
-    s = results["setting"]
-    trained = [task_key(kv, s["train_len"]) for kv in s["eval_kv"] if 4 * kv <= s["train_len"]]
-    longest = max(s["eval_lengths"])
-    past = [task_key(kv, longest) for kv in s["eval_kv"] if 4 * kv <= longest]
-    by_row: dict[str, list[str]] = {}
-    for v in results["verdicts"]:
-        h = next(h for h in results["hypotheses"] if h["key"] == v["hypothesis"])
-        if v["task"]:
-            by_row.setdefault(h["model"], []).append(f"{h['key']} {v['task'].replace('_len', '@')}: {v['verdict']}")
-    lines = ["| row | best lr | params | train FLOPs/tok | tok/s | state | "
-             + " | ".join(f"acc {k.replace('_len', ' @')}" for k in trained)
-             + " | " + " | ".join(f"acc {k.replace('_len', ' @')}" for k in past) + " | verdicts (model side) |",
-             "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in trained + past) + " | --- |"]
-    for name, row in results["rows"].items():
-        c = row["cost"]
-        cells = [format_summary(results["summary"][name][k], digits=2) for k in trained + past]
-        lines.append(f"| {name} | {row['best_lr']:g} | {_si(c['trainable_params'])} | {_si(c['train_flops_per_token'])} | "
-                     f"{c['train_tokens_per_s']:,.0f} | {_si(c['state_bytes'])}B | " + " | ".join(cells)
-                     + f" | {'; '.join(by_row.get(name, [])) or '-'} |")
-    return lines
-
-
-def markdown(results: dict) -> str:
-    s = results["setting"]
-    lines = [f"# MQAR suite ({results['date']}, setting `{s['name']}`)", "",
-             f"Width {s['width']}, {s['layers']} layers, vocabulary {s['vocab']}, trained at length {s['train_len']} on "
-             f"{list(s['train_kv'])} key-value pairs, window {s['window']} for the windowed rows, "
-             f"{s['steps']} steps of {s['batch_size']} ({s['steps'] * s['batch_size'] * s['train_len']:,} training tokens "
-             f"a run), seeds {list(s['seeds'])}, {s['test_prompts']} test prompts per task and seed (drawn per seed). "
-             f"LR grid {results['lr_grid']}: {results['selection']}. Accuracy: share of queries answered right, "
-             f"pooled (95% interval over seeds, then prompts); seeds. At floor (every row <= {results['floor']}): "
-             f"{', '.join(results['floor_tasks']) or 'none'}.", "", *headline(results), "",
-             "## Accuracy per task", ""]
-    keys = list(next(iter(results["summary"].values())))
-    lines += ["| row | " + " | ".join(k.replace("_len", " @") for k in keys) + " |",
-              "| --- | " + " | ".join("---" for _ in keys) + " |"]
-    for name, table in results["summary"].items():
-        lines.append(f"| {name} | " + " | ".join(format_summary(table[k], digits=2) for k in keys) + " |")
-    lines += ["", "## Hypotheses (written before the run) and verdicts per task", ""]
-    for h in results["hypotheses"]:
-        rule = (f"accuracy >= {h['threshold']} (tolerance {h['tolerance']})" if h["sense"] == "at_least" else
-                f"paired difference {h['model']} - {h['control']} > {h['tolerance']} (supported), "
-                f"< {h['smallest_effect']} ruled out (not supported)")
-        lines.append(f"- **{h['key']}: {h['claim']}** ({rule}; lengths: {h['lengths']}; expected 95% width "
-                     f"{h['expected_width']})")
-        for v in results["verdicts"]:
-            if v["hypothesis"] == h["key"]:
-                interval = "-" if v["ci95"] is None else (f"{v['estimate']:.3f} ({v['ci95'][0]:.3f} to {v['ci95'][1]:.3f}, "
-                                                          f"width {v['ci_width']:.3f})")
-                lines.append(f"  - {v['task']}: {interval}: {v['verdict']}")
-    lines += ["", "## Cost", "", "| row | training tokens | trainable params | train FLOPs/token (measured; analytic) | "
-              "eval FLOPs/token | train wall s (per run) | train tokens/s | memory state bytes |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, row in results["rows"].items():
-        c = row["cost"]
-        lines.append(f"| {name} | {c['training_tokens']:,} | {c['trainable_params']:,} | {_si(c['train_flops_per_token'])}; "
-                     f"{_si(c['analytic_train_flops_per_token'])} | {_si(c['eval_flops_per_token'])} | "
-                     f"{c['train_seconds']:.0f} | {c['train_tokens_per_s']:,.0f} | {c['state_bytes']:,} |")
-    lines += ["", "## Learning-rate sweep (validation accuracy, first seed)", "",
-              "| row | " + " | ".join(f"lr {lr:g}" for lr in results["lr_grid"]) + " | chosen |",
-              "| --- | " + " | ".join("---" for _ in results["lr_grid"]) + " | --- |"]
-    for name, row in results["rows"].items():
-        cells = [f"{r['val_accuracy']:.3f}" + (f" (non-finite at {r['nonfinite_step']})" if r["nonfinite_step"] else "")
-                 for r in row["sweep"]]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {row['best_lr']:g} |")
-    split = by_distance(results)
-    lines += ["", f"## Exploratory: by the key's distance (training length {s['train_len']}, window {s['window']})", "",
-              "Added after the run was started, not a hypothesis: queries whose pair lies within the window (<= "
-              f"{s['window']} tokens back) and beyond it, every key-value count and seed pooled (queries, not "
-              "independent items: no interval). Mela's window is its decoder chunk and MAC's its segment, so their "
-              "split is approximate.", "", "| row | within the window | beyond the window |", "| --- | --- | --- |"]
-    for name, counts in split.items():
-        cells = [f"{c[0] / c[1]:.3f} ({c[1]:,} queries)" if c[1] else "-" for c in (counts["inside"], counts["beyond"])]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Wall times and tokens/s are single timings on a shared 2-core machine (no interval)."]
-    return "\n".join(lines) + "\n"
-
-
-def plot(results: dict, path: Path) -> None:
-    """Accuracy by length, one panel per key-value count, every row its own colour."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    s = results["setting"]
-    colours = plt.get_cmap("tab10").colors
-    fig, axes = plt.subplots(1, len(s["eval_kv"]), figsize=(5 * len(s["eval_kv"]), 4), squeeze=False)
-    for ax, kv in zip(axes[0], s["eval_kv"]):
-        for colour, (name, table) in zip(colours, results["summary"].items()):
-            lengths = [n for n in s["eval_lengths"] if task_key(kv, n) in table]
-            if not lengths:
-                continue
-            pooled = [table[task_key(kv, n)]["pooled"] for n in lengths]
-            low = [table[task_key(kv, n)]["ci95"][0] for n in lengths]
-            high = [table[task_key(kv, n)]["ci95"][1] for n in lengths]
-            ax.errorbar(lengths, pooled, yerr=[[p - lo for p, lo in zip(pooled, low)], [hi - p for p, hi in zip(pooled, high)]],
-                        marker="o", color=colour, label=name, capsize=2)
-        ax.axvline(s["train_len"], color="grey", linestyle=":")
-        ax.set(xscale="log", xlabel="sequence length (dotted: trained)", ylabel="accuracy", ylim=(-0.05, 1.05),
-               title=f"{kv} key-value pairs")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

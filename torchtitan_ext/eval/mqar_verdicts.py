@@ -1,0 +1,154 @@
+"""Statistics and verdicts of the MQAR suite, from its JSON alone (mqar.json; the protocol:
+torchtitan_ext/eval/mqar_suite.py's docstring).
+
+Verdicts (`verdict`, `verdicts`): per hypothesis and task, never pooled across tasks. A task on
+which every row's pooled accuracy is at most the floor is "at floor" and has no verdict; so is
+a comparison whose rows are both at most the floor on that task. "at_least" (a row's accuracy
+a, threshold t, tolerance e): supported when the interval's low end is >= t - e, not supported
+when its high end is < t - e. "better" (paired difference d = model - control, tolerance e,
+smallest effect s > e): supported when low > e, not supported when high < s; anything else is
+inconclusive.
+
+No control, no verdict: a hypothesis with `control_inside` set (those that set a memory row
+against the window-only Transformer++) gets a verdict on a task only where its control answers
+at least that share of the task's queries inside its window (key-to-query distance <= window;
+every seed and prompt of the task pooled: `inside_share`). Otherwise the verdict reads "no
+control (window-only control answers X inside its window < 0.9)": a control that has not
+learned the recall it can reach would turn "memory beats window" into "memory learned, control
+did not". The share is taken per task, not pooled over tasks, so a control that solves short
+prompts but not long ones yields verdicts only where it holds.
+
+Reaching a level (`reach`): the first evaluation of a run's validation curve at or above each
+of `LEVELS`, as steps and as training FLOPs (steps x batch x training length x the row's
+measured training FLOPs per token); None where the run never got there.
+"""
+
+from __future__ import annotations
+
+from torchtitan_ext.eval.stats import seed_item_bootstrap, summarize_seeds
+
+RESAMPLES = 2000
+LEVELS = (0.5, 0.8, 0.99)
+
+
+def task_key(kv: int, length: int) -> str:
+    return f"kv{kv}_len{length}"
+
+
+def prompt_values(row: dict, key: str) -> list[list[float]]:
+    """Per seed (in seed order), each prompt's share of queries answered right on task `key`."""
+    return [[sum(q) / len(q) for q in row["seeds"][seed]["tasks"][key]["correct"]]
+            for seed in sorted(row["seeds"], key=int)]
+
+
+def summaries(results: dict) -> dict:
+    """{row: {task: summarize_seeds of its per-prompt accuracy}}."""
+    return {name: {key: summarize_seeds(prompt_values(row, key), resamples=RESAMPLES)
+                   for key in next(iter(row["seeds"].values()))["tasks"]}
+            for name, row in results["rows"].items()}
+
+
+def split_counts(row: dict, window: int, length: int | None = None, key: str | None = None) -> dict:
+    """{"inside": [right, asked], "beyond": [right, asked]}: the row's queries (every seed and
+    prompt) whose pair lies <= `window` tokens back, and the others; only tasks of length
+    `length` (None: all), or only task `key`."""
+    counts = {"inside": [0, 0], "beyond": [0, 0]}
+    for seed in row["seeds"].values():
+        for name, task in seed["tasks"].items():
+            if (length is not None and task["length"] != length) or (key is not None and name != key):
+                continue
+            for right, far in zip(task["correct"], task["distance"]):
+                for ok, d in zip(right, far):
+                    side = counts["inside" if d <= window else "beyond"]
+                    side[0] += ok
+                    side[1] += 1
+    return counts
+
+
+def by_distance(results: dict) -> dict:
+    """Exploratory (added after the first run was started, not a hypothesis): per row, the
+    share of queries answered right at the training length, every key-value count and seed
+    pooled, split by the key's distance: within the window (<= window tokens back, where the
+    windowed rows' attention reaches the pair's value) and beyond it. {row: {"inside": [right,
+    asked], "beyond": [right, asked]}}."""
+    s = results["setting"]
+    return {name: split_counts(row, s["window"], length=s["train_len"]) for name, row in results["rows"].items()}
+
+
+def inside_share(results: dict, row: str, key: str) -> float | None:
+    """Share of task `key`'s queries within the window that `row` answers (every seed and
+    prompt pooled); None when the task has no such query."""
+    right, asked = split_counts(results["rows"][row], results["setting"]["window"], key=key)["inside"]
+    return right / asked if asked else None
+
+
+def floor_tasks(results: dict, table: dict) -> list[str]:
+    """Tasks on which every row's pooled accuracy is at most the floor."""
+    keys = next(iter(table.values())).keys() if table else []
+    return [k for k in keys if all(table[row][k]["pooled"] <= results["floor"] for row in table)]
+
+
+def verdict(h: dict, interval: tuple[float, float]) -> str:
+    """The module docstring's rule for one hypothesis (its JSON dict) on one task's interval."""
+    low, high = interval
+    if h["sense"] == "at_least":
+        bar = h["threshold"] - h["tolerance"]
+        return "supported" if low >= bar else "not supported" if high < bar else "inconclusive"
+    if h["sense"] == "better":
+        return ("supported" if low > h["tolerance"] else "not supported" if high < h["smallest_effect"]
+                else "inconclusive")
+    raise ValueError(f"unknown sense {h['sense']}")
+
+
+def in_scope(h: dict, length: int, train_len: int) -> bool:
+    """Whether a task of `length` is in hypothesis `h`'s scope ("trained", "past" or "all")."""
+    return {"trained": length == train_len, "past": length > train_len, "all": True}[h["lengths"]]
+
+
+def verdicts(results: dict) -> list[dict]:
+    """Every hypothesis answered on every task in its scope, from the JSON's items alone."""
+    table = summaries(results)
+    floored = set(floor_tasks(results, table))
+    out = []
+    for h in results["hypotheses"]:
+        rows = [h["model"]] + ([h["control"]] if h["control"] else [])
+        if any(r not in results["rows"] for r in rows):
+            out.append({"hypothesis": h["key"], "task": None, "verdict": "not run", "ci95": None, "estimate": None})
+            continue
+        for key, task in next(iter(results["rows"][h["model"]]["seeds"].values()))["tasks"].items():
+            if not in_scope(h, task["length"], results["setting"]["train_len"]):
+                continue
+            model = prompt_values(results["rows"][h["model"]], key)
+            if h["control"]:
+                control = prompt_values(results["rows"][h["control"]], key)
+                values = [[a - b for a, b in zip(m, c)] for m, c in zip(model, control)]
+            else:
+                values = model
+            estimate = sum(map(sum, values)) / sum(map(len, values))
+            interval = seed_item_bootstrap(values, resamples=RESAMPLES)
+            bar = h.get("control_inside")
+            share = inside_share(results, h["control"], key) if bar is not None else None
+            if key in floored:
+                answer = "at floor (task)"
+            elif h["control"] and all(table[r][key]["pooled"] <= results["floor"] for r in rows):
+                answer = "at floor (both rows)"
+            elif bar is not None and share is None:
+                answer = "no control (no query inside the window)"
+            elif bar is not None and share < bar:
+                answer = f"no control (window-only control answers {share:.2f} inside its window < {bar:g})"
+            else:
+                answer = verdict(h, interval)
+            out.append({"hypothesis": h["key"], "task": key, "estimate": estimate, "ci95": list(interval),
+                        "ci_width": interval[1] - interval[0], "verdict": answer, "control_inside": share})
+    return out
+
+
+def reach(curve: list, tokens_per_step: int, flops_per_token: float) -> dict:
+    """{str(level): {"step", "train_flops"} or None} for each of LEVELS: the first point of
+    `curve` ([step, accuracy] pairs, in step order) whose accuracy is >= level; train_flops =
+    step x tokens_per_step x flops_per_token."""
+    out = {}
+    for level in LEVELS:
+        step = next((s for s, a in curve if a >= level), None)
+        out[str(level)] = None if step is None else {"step": step, "train_flops": step * tokens_per_step * flops_per_token}
+    return out
