@@ -442,6 +442,11 @@ def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick, caps
     load_script("leaderboard").main(["--suite", "mqar", "--quick", "--out", str(out)])
     assert capsys.readouterr().out.count(": reused ") == len(mqar_suite.ROWS)
     assert json.loads((out / "mqar.json").read_text())["verdicts"] == results["verdicts"]
+    # a third seed trains only its own runs: the first two seeds' runs are read back
+    load_script("leaderboard").main(["--suite", "mqar", "--quick", "--rows", "titans_lmm", "--seeds", "3", "--out", str(out)])
+    trained = [line for line in capsys.readouterr().out.splitlines() if line.startswith("titans_lmm seed")]
+    assert trained and all(line.startswith("titans_lmm seed 2 ") for line in trained), trained
+    assert json.loads((out / "mqar.json").read_text())["rows"]["titans_lmm"]["seeds"]["0"] == results["rows"]["titans_lmm"]["seeds"]["0"]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -388,10 +388,11 @@ def state_bytes_of(name: str, s: Setting, model: torch.nn.Module) -> int:
 
 def trained(name: str, s: Setting, seed: int, lr: float, folder: Path, log=print) -> dict:
     """One run's record (`train_run`) with its test items ("tasks"), read from
-    folder/lr<lr>_seed<seed>.json when that file holds a run of this setting, else trained
-    and written there as it ends."""
+    folder/lr<lr>_seed<seed>.json when that file holds a run of this setting (its seed and lr
+    lists aside, so adding seeds reuses the runs done), else trained and written there as it
+    ends."""
     path = folder / f"lr{lr:g}_seed{seed}.json"
-    setting = json.loads(json.dumps(dataclasses.asdict(s)))
+    setting = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(s).items() if k not in ("seeds", "lrs")}))
     if path.is_file() and json.loads(path.read_text())["setting"] == setting:
         return json.loads(path.read_text())["record"]
     model, record = train_run(name, s, seed, lr)
