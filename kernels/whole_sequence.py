@@ -17,6 +17,13 @@ models/memory/neural_memory.py) and updates the state by one of two rules:
   M' = (1 - alpha) M + step_scale NS_k(S'), token weights (B, H, N, C, 1), gates (B, H, N, 2)
   = (eta, alpha), NS with Muon's coefficients (kernels/reference.py).
 
+An optional surprise bound (models/memory/chunk_write.py `clip_surprise`, issue 46): with
+`limit` (B, H, N, K), each G_m of each weight matrix is scaled before it enters the rule,
+G_m <- s G_m, s = limit[c, m] / max(||G_m||_F, limit[c, m]) (the norm over the whole matrix,
+separately per batch row, head, matrix and weighting, as the chunk loop's), s a constant in
+backward (detached): exactly 1, and everything equal to the unbounded rule, where a sum is
+within its limit.
+
 Chunk c's queries read M_{c-1} (the state entering it: thesis eq. 2.41), or with
 `read_after_write` its own M_c (Mela's HMM). Returns y (B, H, N, C, d) and the final state.
 
@@ -47,7 +54,7 @@ try:
 except ImportError:  # the torch reference needs no triton (a Hugging Face export ships without it)
     triton = _kernels = None
 
-HIDDEN_BLOCK = 64  # the kernels walk the hidden width in blocks of this many columns
+HIDDEN_BLOCK = 16  # the kernels walk the hidden width in blocks of this many columns (16: no spills, `_blocks`)
 # The kernels' BF16 switch for bf16 products: 1 on a GPU; under TRITON_INTERPRET=1, 2 (operands
 # rounded to bf16, products in fp32: the same values), because Triton 3.9's interpreter returns
 # garbage for a bf16 dot (max error 2e10 on a 16 x 16 product).
@@ -75,15 +82,26 @@ def _write_gradients(weights, k, v, token_weights, residual):
     return [torch.func.grad(loss)(tuple(weights), m) for m in range(token_weights.shape[-1])]
 
 
+def _clip(grads, limit):
+    """The surprise bound (module docstring): each G_m of each matrix (grads: per m a tuple of
+    (B, H, in, out)) times s = limit_m / max(||G_m||_F, limit_m), limit (B, H, K), s detached."""
+    scales = [[(limit[..., m] / g.flatten(-2).norm(dim=-1).clamp_min(limit[..., m])).detach() for g in pair]
+              for m, pair in enumerate(grads)]
+    return [tuple(g * s[..., None, None] for g, s in zip(pair, sc)) for pair, sc in zip(grads, scales)]
+
+
 def whole_sequence_reference(state, q, k, v, token_weights, gates, ns_steps: int = 0, step_scale: float = 1.0,
-                             residual: bool = False, read_after_write: bool = False):
-    """The module docstring's rule in plain torch, chunk by chunk; arithmetic in the state's dtype."""
+                             residual: bool = False, read_after_write: bool = False, limit=None):
+    """The module docstring's rule in plain torch, chunk by chunk; arithmetic in the state's
+    dtype. limit (B, H, N, K) or None: the surprise bound of each chunk's G_m (module docstring)."""
     dtype = state[0].dtype
     q, k, v, token_weights, gates = (t.to(dtype) for t in (q, k, v, token_weights, gates))
     ys = []
     for c in range(q.shape[2]):
         weights = [s[:, :, 0] for s in state]
         grads = _write_gradients(weights, k[:, :, c], v[:, :, c], token_weights[:, :, c], residual)
+        if limit is not None:
+            grads = _clip(grads, limit[:, :, c].to(dtype))
         if ns_steps:
             eta, alpha = gates[:, :, c, 0, None, None], gates[:, :, c, 1, None, None]
             new = []
@@ -161,49 +179,66 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().flatten(0, 1)
 
 
-def _launch_options(q, s1, ns_steps, bf16_products):
+def _launch_options(q, s1, ns_steps, bf16_products, limit):
     a, b, c = MUON_COEFFICIENTS
     bf16 = 0 if not bf16_products else BF16_INTERPRETED if os.environ.get("TRITON_INTERPRET") == "1" else BF16_ON_DEVICE
     return dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c, BF16=bf16,
-                num_stages=1, **_blocks(q.shape[-1], q.shape[-2], s1.shape[-1]))
+                LIMITED=limit is not None, num_stages=1, **_blocks(q.shape[-1], q.shape[-2], s1.shape[-1]))
+
+
+def _scales(q: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
+    """The surprise bound's scales (B*H, N, 2, 2) fp32 = [matrix][weighting] of every chunk (an
+    empty (0,) tensor without a bound)."""
+    batch, heads, chunks = q.shape[:3]
+    return q.new_empty((batch * heads, chunks, 2, 2) if limit is not None else (0,), dtype=torch.float32)
+
+
+def _limit_pointer(limit: torch.Tensor | None, scales: torch.Tensor) -> torch.Tensor:
+    """The limits (B*H, N, K) as the kernels read them (without a bound any tensor: never read)."""
+    return scales if limit is None else _flat(limit.to(torch.float32))
 
 
 @torch.library.custom_op("memory_kernels::whole_sequence_fwd", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
                 s1: torch.Tensor, s2: torch.Tensor, ns_steps: int, step_scale: float, residual: bool,
-                read_after_write: bool, checkpoint_every: int, bf16_products: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y (B, H, N, C, d), final s1, final s2, ck1 (B*H, NG + 1, 2, d, h), ck2 (B*H, NG + 1, 2, h, d)),
-    NG = ceil(N / checkpoint_every), all fp32: one launch (the final state is copied out of the
-    checkpoints' last entry)."""
+                read_after_write: bool, checkpoint_every: int, bf16_products: bool, limit: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (B, H, N, C, d), final s1, final s2, ck1 (B*H, NG + 1, 2, d, h), ck2 (B*H, NG + 1, 2, h, d),
+    the bound's scales (`_scales`)), NG = ceil(N / checkpoint_every), all fp32: one launch (the
+    final state is copied out of the checkpoints' last entry); limit (B, H, N, K) or None."""
     batch, heads, chunks, chunk, dim = q.shape
     hidden = s1.shape[-1]
     ck1, ck2 = _checkpoints(q, hidden, chunks, checkpoint_every)
     ck1[:, 0], ck2[:, 0] = _flat(s1), _flat(s2)
     y = q.new_empty(q.shape, dtype=torch.float32)
     scratch = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32) if ns_steps else y
+    scales = _scales(q, limit)
     _kernels.whole_sequence_fwd[(batch * heads,)](
-        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2,
-        *_group_buffers(q, hidden, checkpoint_every), y, scratch, float(step_scale), chunks, checkpoint_every, chunk,
-        dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write,
-        **_launch_options(q, s1, ns_steps, bf16_products))
-    return y, ck1[:, -1].view(s1.shape).clone(), ck2[:, -1].view(s2.shape).clone(), ck1, ck2
+        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), _limit_pointer(limit, scales), scales, ck1,
+        ck2, *_group_buffers(q, hidden, checkpoint_every), y, scratch, float(step_scale), chunks, checkpoint_every,
+        chunk, dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write,
+        **_launch_options(q, s1, ns_steps, bf16_products, limit))
+    return y, ck1[:, -1].view(s1.shape).clone(), ck2[:, -1].view(s2.shape).clone(), ck1, ck2, scales
 
 
 @_forward_op.register_fake
 def _(q, k, v, token_weights, gates, s1, s2, ns_steps, step_scale, residual, read_after_write, checkpoint_every,
-      bf16_products):
+      bf16_products, limit=None):
     return (q.new_empty(q.shape, dtype=torch.float32), s1.new_empty(s1.shape, dtype=torch.float32),
-            s2.new_empty(s2.shape, dtype=torch.float32), *_checkpoints(q, s1.shape[-1], q.shape[2], checkpoint_every))
+            s2.new_empty(s2.shape, dtype=torch.float32), *_checkpoints(q, s1.shape[-1], q.shape[2], checkpoint_every),
+            _scales(q, limit))
 
 
 @torch.library.custom_op("memory_kernels::whole_sequence_bwd", mutates_args=())
 def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
                  ck1: torch.Tensor, ck2: torch.Tensor, dy: torch.Tensor, dn1: torch.Tensor, dn2: torch.Tensor,
                  ns_steps: int, step_scale: float, residual: bool, read_after_write: bool, checkpoint_every: int,
-                 bf16_products: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 bf16_products: bool, limit: torch.Tensor | None = None, scales: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
-    """(dq, dk, dv, d token_weights, d gates, d s1, d s2), all fp32: one launch."""
+    """(dq, dk, dv, d token_weights, d gates, d s1, d s2), all fp32: one launch; limit and the
+    forward's scales (`_scales`) with a bound (the scales constants; the backward's recomputation
+    writes the same values again)."""
     batch, heads, chunks, chunk, dim = q.shape
     hidden = ck1.shape[-1]
     # the kernel updates these in place: one fresh contiguous fp32 copy each, whatever dn's dtype
@@ -214,17 +249,18 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weight
     dgates = q.new_empty(gates.shape, dtype=torch.float32)
     iterates = q.new_empty(batch * heads, 2, max(ns_steps, 1), dim, hidden, dtype=torch.float32)
     ybuf = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32)
+    scales = _scales(q, limit) if scales is None else scales.clone()  # the recomputation rewrites it
     _kernels.whole_sequence_bwd[(batch * heads,)](
-        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), ck1, ck2,
-        *_group_buffers(q, hidden, checkpoint_every), _flat(dy.to(torch.float32)), ds1, ds2, dq, dk, dv, dtw, dgates,
-        iterates, ybuf, float(step_scale), chunks, checkpoint_every, chunk, dim, hidden,
-        RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, ck1, ns_steps, bf16_products))
+        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), _limit_pointer(limit, scales), scales, ck1,
+        ck2, *_group_buffers(q, hidden, checkpoint_every), _flat(dy.to(torch.float32)), ds1, ds2, dq, dk, dv, dtw,
+        dgates, iterates, ybuf, float(step_scale), chunks, checkpoint_every, chunk, dim, hidden,
+        RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, ck1, ns_steps, bf16_products, limit))
     return dq, dk, dv, dtw, dgates, ds1.view(dn1.shape), ds2.view(dn2.shape)
 
 
 @_backward_op.register_fake
 def _(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2, ns_steps, step_scale, residual, read_after_write,
-      checkpoint_every, bf16_products):
+      checkpoint_every, bf16_products, limit=None, scales=None):
     fp32 = dict(dtype=torch.float32)
     return (q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32),
             q.new_empty(token_weights.shape, **fp32), q.new_empty(gates.shape, **fp32),
@@ -232,26 +268,27 @@ def _(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2, ns_steps, step_scal
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, token_weights, gates, s1, s2, *options = inputs
-    *_, ck1, ck2 = output
-    ctx.save_for_backward(q, k, v, token_weights, gates, ck1, ck2)
-    ctx.mark_non_differentiable(ck1, ck2)
+    q, k, v, token_weights, gates, s1, s2, *options, limit = inputs
+    *_, ck1, ck2, scales = output
+    ctx.save_for_backward(q, k, v, token_weights, gates, ck1, ck2, limit, scales)
+    ctx.mark_non_differentiable(ck1, ck2, scales)
     ctx.set_materialize_grads(False)
     ctx.options = options
     ctx.state_shapes = (s1.shape, s2.shape)
 
 
-def _backward(ctx, dy, dn1, dn2, _dck1, _dck2):
-    """Gradients of (y, final state) back to the inputs and the initial state; an output
-    nothing used arrives as None and counts as zero."""
-    q, k, v, token_weights, gates, ck1, ck2 = ctx.saved_tensors
+def _backward(ctx, dy, dn1, dn2, _dck1, _dck2, _dscales):
+    """Gradients of (y, final state) back to the inputs and the initial state (none to the
+    bound's limits: its scales are constants); an output nothing used arrives as None and
+    counts as zero."""
+    q, k, v, token_weights, gates, ck1, ck2, limit, scales = ctx.saved_tensors
     dy = q.new_zeros(q.shape, dtype=torch.float32) if dy is None else dy
     dn1, dn2 = (q.new_zeros(shape, dtype=torch.float32) if d is None else d
                 for d, shape in zip((dn1, dn2), ctx.state_shapes))
     dq, dk, dv, dtw, dgates, ds1, ds2 = _backward_op(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2,
-                                                     *ctx.options)
+                                                     *ctx.options, limit, None if limit is None else scales)
     cast = [g.to(t.dtype) for g, t in zip((dq, dk, dv, dtw, dgates), (q, k, v, token_weights, gates))]
-    return (*cast, ds1, ds2, None, None, None, None, None, None)
+    return (*cast, ds1, ds2, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("memory_kernels::whole_sequence_fwd", _backward, setup_context=_setup_context)
@@ -259,20 +296,24 @@ torch.library.register_autograd("memory_kernels::whole_sequence_fwd", _backward,
 
 def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 0, step_scale: float = 1.0,
                           residual: bool = False, read_after_write: bool = False, checkpoint_every: int = 1,
-                          bf16_products: bool = False):
+                          bf16_products: bool = False, limit: torch.Tensor | None = None):
     """The Triton path of the module docstring's rule: (y (B, H, N, C, d) fp32, final state
     (two (B, H, 2, in, out) fp32)); the state entering every `checkpoint_every`-th chunk is kept
     for the backward; `bf16_products`: the fast-weight products from bf16 operands (as bf16
-    autocast runs the chunk loop's), else fp32 exactly. ValueError naming the reason where it
-    cannot run (`refusal`)."""
+    autocast runs the chunk loop's), else fp32 exactly; `limit` (B, H, N, K) the surprise bound
+    of each chunk's G_m (module docstring; models/memory/chunk_write.py `surprise_limit`), None
+    unbounded. ValueError naming the reason where it cannot run (`refusal`)."""
     reason = refusal(state, q, k, v, token_weights, gates, ns_steps)
     if reason is None and checkpoint_every < 1:
         reason = f"checkpoint_every {checkpoint_every} (must be >= 1)"
+    if reason is None and limit is not None and tuple(limit.shape) != (*q.shape[:3], token_weights.shape[-1]):
+        reason = f"limit has shape {tuple(limit.shape)}; expected {(*q.shape[:3], token_weights.shape[-1])}"
     if reason is not None:
         raise ValueError(f"whole_sequence_memory: {reason}; use the chunked path")
     flat_gates = gates if ns_steps else gates.flatten(-2)
-    y, s1, s2, _, _ = _forward_op(q, k, v, token_weights, flat_gates, state[0], state[1], ns_steps, float(step_scale),
-                                  residual, read_after_write, checkpoint_every, bf16_products)
+    y, s1, s2, *_ = _forward_op(q, k, v, token_weights, flat_gates, state[0], state[1], ns_steps, float(step_scale),
+                                residual, read_after_write, checkpoint_every, bf16_products,
+                                None if limit is None else limit.detach())
     return y, (s1, s2)
 
 

@@ -1,51 +1,85 @@
 """Compile the whole-sequence memory kernels for an H100 (sm_90) without a GPU, and check that
-each fits a block's shared memory.
+each fits a block's shared memory and does not spill registers beyond a bound.
 
     python scripts/compile_kernels.py [--head-dim 64 --hidden 256 --chunk 64] [--arch 90]
-        [--only fwd,bwd] [--rules token,newton_schulz] [--products fp32,bf16]
+        [--only fwd,bwd] [--rules token,newton_schulz] [--products fp32,bf16] [--max-spill BYTES]
 
 Triton's own compiler (its bundled CUDA backend and ptxas) builds each kernel variant the
 launch would build: the layer's rule (the per-token mix; Newton-Schulz, read after write),
 fp32 or bf16 products, with the launch options of kernels/whole_sequence.py (blocks, warps,
-num_stages=1). It prints the shared memory each needs against the card's per-block limit
-(H100: 232,448 bytes, 227 KiB) and the compile time, and exits 1 if any does not fit or does not
-compile: what a lease would otherwise find only at its first launch.
+num_stages=1). It prints per variant the registers per thread and the spill stores / loads
+(bytes per thread), read from ptxas's report (`ptxas -v` run again on the kernel's PTX: Triton
+reads registers and spills only when it loads a kernel on a GPU), the shared memory each needs
+against the card's per-block limit (H100: 232,448 bytes, 227 KiB) and the compile time. It exits 1
+if any variant does not compile, does not fit, or spills more than --max-spill bytes (stores or
+loads; default MAX_SPILL_BYTES): what a lease would otherwise find only at its first launch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import whole_sequence_triton  # noqa: E402
 from kernels.whole_sequence import BF16_ON_DEVICE, MUON_COEFFICIENTS, _blocks  # noqa: E402
 
 SHARED_LIMIT = {90: 232_448}  # opt-in shared memory per block, bytes
+MAX_SPILL_BYTES = 0  # spill stores or loads per thread a variant may have
 RULES = {"token": (0, False), "newton_schulz": (5, True)}  # (ns_steps, read_after_write)
 INTEGERS = ("N", "G", "C", "D", "HD")
 
 
-def compile_variant(kernel: str, rule: str, bf16: bool, dim: int, hidden: int, chunk: int, arch: int):
-    """The compiled kernel (Triton's CompiledKernel) of one variant."""
+def compile_variant(kernel: str, rule: str, bf16: bool, dim: int, hidden: int, chunk: int, arch: int,
+                    bound: bool = False):
+    """The compiled kernel (Triton's CompiledKernel) of one variant (`bound`: with the surprise bound)."""
     fn = getattr(whole_sequence_triton, f"whole_sequence_{kernel}")
     ns_steps, read_after_write = RULES[rule]
     a, b, c = MUON_COEFFICIENTS
     blocks = _blocks(dim, chunk, hidden)
     num_warps = blocks.pop("num_warps")
     constants = dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c, RESIDUAL=False,
-                     READ_AFTER_WRITE=read_after_write, BF16=BF16_ON_DEVICE if bf16 else 0, **blocks)
+                     READ_AFTER_WRITE=read_after_write, LIMITED=bound, BF16=BF16_ON_DEVICE if bf16 else 0,
+                     **blocks)
     signature = {name: "constexpr" if name in constants else "*fp32" if name.endswith("_ptr") else
                  "i32" if name in INTEGERS else "fp32" for name in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+    # what a launch specializes on (Triton's JIT): pointers (torch's allocations) and the sizes that
+    # are multiples of 16 are marked so; N and G (the chunk count, the checkpoint stride) are not
+    sizes = {"C": chunk, "D": dim, "HD": hidden}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name.endswith("_ptr") or sizes.get(name, 1) % 16 == 0}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
+
+
+def ptxas_usage(compiled) -> dict:
+    """{"registers", "spill_stores", "spill_loads"} (per thread, bytes for spills) of a compiled
+    kernel, from `ptxas -v` on its PTX with the flags Triton's own build passes."""
+    ptxas = get_ptxas(compiled.metadata.target.arch).path
+    arch = sm_arch_from_capability(compiled.metadata.target.arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([ptxas, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", ptx, "-o", ptx + ".o"],
+                             check=True, capture_output=True, text=True).stderr
+
+    def number(pattern):
+        return int(re.search(pattern, log).group(1))
+
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,25 +91,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="fwd,bwd")
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--products", default="fp32,bf16")
+    p.add_argument("--max-spill", type=int, default=MAX_SPILL_BYTES)
+    p.add_argument("--bound", action="store_true", help="the variants with the surprise bound (`limit`)")
     a = p.parse_args(argv)
     limit = SHARED_LIMIT[a.arch]
     print(f"triton {triton.__version__}; sm_{a.arch}; head_dim {a.head_dim}, hidden {a.hidden}, chunk {a.chunk}; "
-          f"shared memory limit {limit:,} B per block")
+          f"shared memory limit {limit:,} B per block; spill bound {a.max_spill} B per thread")
     failed = False
     for kernel in a.only.split(","):
         for rule in a.rules.split(","):
             for products in a.products.split(","):
                 start = time.perf_counter()
                 try:
-                    compiled = compile_variant(kernel, rule, products == "bf16", a.head_dim, a.hidden, a.chunk, a.arch)
+                    compiled = compile_variant(kernel, rule, products == "bf16", a.head_dim, a.hidden, a.chunk, a.arch,
+                                               a.bound)
                     shared = compiled.metadata.shared
+                    usage = ptxas_usage(compiled)
+                    spills = max(usage["spill_stores"], usage["spill_loads"])
                     verdict = "fits" if shared <= limit else "DOES NOT FIT"
-                    failed |= shared > limit
-                    line = f"{shared:>9,} B shared, {verdict}"
+                    failed |= shared > limit or spills > a.max_spill
+                    line = (f"{usage['registers']:>3} registers, spill stores {usage['spill_stores']:>6,} B, "
+                            f"loads {usage['spill_loads']:>6,} B{'' if spills <= a.max_spill else ' OVER THE BOUND'}; "
+                            f"{shared:>9,} B shared, {verdict}")
                 except Exception as e:  # a variant that does not compile is a finding, not a crash
                     failed = True
                     line = f"DOES NOT COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                print(f"{kernel} {rule:<14} {products} products: {line} ({time.perf_counter() - start:.0f} s)",
+                print(f"{kernel} {rule:<14} {products} products{' bound' if a.bound else ''}: {line} ({time.perf_counter() - start:.0f} s)",
                       flush=True)
     return int(failed)
 
