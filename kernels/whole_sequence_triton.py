@@ -12,7 +12,12 @@ the surprise bound's norms) kept in registers. Registers, not shared memory, bou
 at the paper shape with bf16 products BH 64 spilled (`scripts/compile_kernels.py` reads ptxas's
 report), so the backward keeps only k, the error, its gradient and dk across a pass, reads q
 and dy in a pass of their own (`_read_backward`), and accumulates in the products' own
-registers (`_dot_add`).
+registers (`_dot_add`). What still spills (ptxas's spill instructions mapped to source lines
+with `nvdisasm -g`): mostly values the compiler hoists out of the chunk loop, the address and
+mask tiles of each load pattern, spilled once at the start and reloaded in the loops; in the
+Newton-Schulz backward also its four D x D fp32 matrices (the Gram matrix, its polynomial and
+their gradients, 16 registers each per thread at 8 warps). 16 warps (128 registers a thread)
+and hidden blocks of 32 spilled more.
 The state lives in global memory (L2 on an H100: 256 KiB per head at the paper shape):
 
 - forward: chunk c reads the state entering it and writes the next; every G-th state is kept,
@@ -108,7 +113,7 @@ def _mlp(x, w1_ptr, w2_ptr, D, HD, rd, rh, BH: tl.constexpr, BF16: tl.constexpr)
         w1 = _load(w1_ptr + h0, rd, rh, D, HD - h0, HD, 1)
         w2 = _load(w2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1)
         act, d1, d2 = _silu_parts(_dot(x, w1, BF16))
-        out += _dot(act, w2, BF16)
+        out = _dot_add(out, act, w2, BF16)
     return out
 
 
@@ -125,7 +130,7 @@ def _read_backward(q_ptr, dy_ptr, dq_ptr, row, w1_ptr, w2_ptr, dw1_ptr, dw2_ptr,
         w2 = _load(w2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1)
         act, d1, d2 = _silu_parts(_dot(q, w1, BF16))
         d_pre = _dot(dy, tl.trans(w2), BF16) * d1
-        dq += _dot(d_pre, tl.trans(w1), BF16)
+        dq = _dot_add(dq, d_pre, tl.trans(w1), BF16)
         dw1 = _load(dw1_ptr + h0, rd, rh, D, HD - h0, HD, 1) + _dot(tl.trans(q), d_pre, BF16)
         dw2 = _load(dw2_ptr + h0 * D, rh, rd, HD - h0, D, D, 1) + _dot(tl.trans(act), dy, BF16)
         _store(dw1_ptr + h0, dw1, rd, rh, D, HD - h0, HD, 1)
@@ -133,6 +138,13 @@ def _read_backward(q_ptr, dy_ptr, dq_ptr, row, w1_ptr, w2_ptr, dw1_ptr, dw2_ptr,
     if RESIDUAL:
         dq += dy
     _store(dq_ptr + row * C * D, dq, rc, rd, C, D, D, 1)
+
+
+@triton.jit
+def _ns_poly(gram, B_COEF: tl.constexpr, C_COEF: tl.constexpr, BF16: tl.constexpr):
+    """b A + c A^2 for the Gram matrix A (BD, BD), as c (b / c A + A A): the product in its own
+    accumulator (`_dot_add`)."""
+    return C_COEF * _dot_add((B_COEF / C_COEF) * gram, gram, gram, BF16)
 
 
 @triton.jit
@@ -153,12 +165,12 @@ def _ns_forward(src_ptr, src_sd, src_sh, x_ptr, D, HD, rd, rh, NS_STEPS: tl.cons
         gram = tl.zeros((BD, BD), dtype=tl.float32)
         for h0 in range(0, HD, BH):
             block = _load(x_ptr + h0, rd, rh, D, HD - h0, HD, 1)
-            gram += _dot(block, tl.trans(block), BF16)
-        poly = B_COEF * gram + C_COEF * _dot(gram, gram, BF16)
+            gram = _dot_add(gram, block, tl.trans(block), BF16)
+        poly = _ns_poly(gram, B_COEF, C_COEF, BF16)
         tl.debug_barrier()
         for h0 in range(0, HD, BH):
             block = _load(x_ptr + h0, rd, rh, D, HD - h0, HD, 1)
-            _store(x_ptr + h0, A_COEF * block + _dot(poly, block, BF16), rd, rh, D, HD - h0, HD, 1)
+            _store(x_ptr + h0, _dot_add(A_COEF * block, poly, block, BF16), rd, rh, D, HD - h0, HD, 1)
         tl.debug_barrier()
 
 
@@ -187,11 +199,11 @@ def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, 
         gram = tl.zeros((BD, BD), dtype=tl.float32)
         for h0 in range(0, HD, BH):
             block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
-            gram += _dot(block, tl.trans(block), BF16)
-        poly = B_COEF * gram + C_COEF * _dot(gram, gram, BF16)
+            gram = _dot_add(gram, block, tl.trans(block), BF16)
+        poly = _ns_poly(gram, B_COEF, C_COEF, BF16)
         for h0 in range(0, HD, BH):
             block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
-            _store(there + h0, A_COEF * block + _dot(poly, block, BF16), rd, rh, D, HD - h0, HD, 1)
+            _store(there + h0, _dot_add(A_COEF * block, poly, block, BF16), rd, rh, D, HD - h0, HD, 1)
         tl.debug_barrier()
     for step in tl.static_range(NS_STEPS):
         here = iter_ptr + (NS_STEPS - 1 - step) * D * HD
@@ -200,16 +212,16 @@ def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, 
         for h0 in range(0, HD, BH):
             block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
             grad = _load(y_ptr + h0, rd, rh, D, HD - h0, HD, 1)
-            gram += _dot(block, tl.trans(block), BF16)
-            d_poly += _dot(grad, tl.trans(block), BF16)
-        poly = B_COEF * gram + C_COEF * _dot(gram, gram, BF16)
-        d_gram = B_COEF * d_poly + C_COEF * (_dot(d_poly, gram, BF16) + _dot(gram, d_poly, BF16))
+            gram = _dot_add(gram, block, tl.trans(block), BF16)
+            d_poly = _dot_add(d_poly, grad, tl.trans(block), BF16)
+        poly = _ns_poly(gram, B_COEF, C_COEF, BF16)
+        d_gram = C_COEF * _dot_add(_dot_add((B_COEF / C_COEF) * d_poly, d_poly, gram, BF16), gram, d_poly, BF16)
         d_gram = d_gram + tl.trans(d_gram)
         tl.debug_barrier()
         for h0 in range(0, HD, BH):
             block = _load(here + h0, rd, rh, D, HD - h0, HD, 1)
             grad = _load(y_ptr + h0, rd, rh, D, HD - h0, HD, 1)
-            grad = A_COEF * grad + _dot(poly, grad, BF16) + _dot(d_gram, block, BF16)
+            grad = _dot_add(_dot_add(A_COEF * grad, poly, grad, BF16), d_gram, block, BF16)
             _store(y_ptr + h0, grad, rd, rh, D, HD - h0, HD, 1)
         tl.debug_barrier()
     # X_0 = S' / (n + 1e-7), n = ||S'||_F
