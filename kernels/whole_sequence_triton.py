@@ -147,11 +147,13 @@ def _ns_poly(gram, B_COEF: tl.constexpr, C_COEF: tl.constexpr, BF16: tl.constexp
     return C_COEF * _dot_add((B_COEF / C_COEF) * gram, gram, gram, BF16)
 
 
-@triton.jit
-def _ns_forward(src_ptr, src_sd, src_sh, x_ptr, D, HD, rd, rh, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr,
+@triton.jit(noinline=True)
+def _ns_forward(src_ptr, src_sd, src_sh, x_ptr, D, HD, NS_STEPS: tl.constexpr, A_COEF: tl.constexpr,
                 B_COEF: tl.constexpr, C_COEF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BF16: tl.constexpr):
-    """x (D, HD) row-major <- NewtonSchulz(src), src the (D, HD) view src_ptr[d * src_sd + h * src_sh]:
+    """x (D, HD) row-major <- NewtonSchulz(src), src the (D, HD) view src_ptr[d * src_sd + h * src_sh]
+    (not inlined: `_ns_backward`):
     X = src / (||src||_F + 1e-7), then NS_STEPS of X = a X + (b A + c A^2) X, A = X X^T."""
+    rd, rh = tl.arange(0, BD), tl.arange(0, BH)
     squares = 0.0
     for h0 in range(0, HD, BH):
         block = _load(src_ptr + h0 * src_sh, rd, rh, D, HD - h0, src_sd, src_sh)
@@ -174,15 +176,20 @@ def _ns_forward(src_ptr, src_sd, src_sh, x_ptr, D, HD, rd, rh, NS_STEPS: tl.cons
         tl.debug_barrier()
 
 
-@triton.jit
-def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, HD, rd, rh, NS_STEPS: tl.constexpr,
+@triton.jit(noinline=True)
+def _ns_backward(s_ptr, dm_ptr, ds_ptr, sd, sh, iter_ptr, y_ptr, step_scale, D, HD, NS_STEPS: tl.constexpr,
                  A_COEF: tl.constexpr, B_COEF: tl.constexpr, C_COEF: tl.constexpr, BD: tl.constexpr,
                  BH: tl.constexpr, BF16: tl.constexpr):
     """Backward of M' = ... + step_scale NS(S') for one matrix, all three the (D, HD) view
     [d * sd + h * sh] of their buffers: S' at s_ptr, dL/dM' at dm_ptr; dL/dS' at ds_ptr is
     replaced in place by dL/dS' + step_scale NS'(S')^T dL/dM'. iter_ptr (NS_STEPS, D, HD) and
     y_ptr (D, HD) are scratch (row-major). With Y = dL/dX_{k+1}, A, B of step k:
-    dB = Y X_k^T, dA = b dB + c (dB A + A dB), dX_k = a Y + B Y + (dA + dA^T) X_k."""
+    dB = Y X_k^T, dA = b dB + c (dB A + A dB), dX_k = a Y + B Y + (dA + dA^T) X_k.
+    Not inlined, as `_ns_forward`: inlined, the compiler hoisted their address tiles out of
+    the chunk loop and ptxas spilled them (bf16 products, the backward: 528 / 1,684 B spill
+    stores / loads inlined, 572 / 916 B as functions of their own, the forward 4 B and none).
+    ptxas then serializes the caller's wgmma around the calls."""
+    rd, rh = tl.arange(0, BD), tl.arange(0, BH)
     squares = 0.0
     for h0 in range(0, HD, BH):
         block = _load(s_ptr + h0 * sh, rd, rh, D, HD - h0, sd, sh)
@@ -395,8 +402,8 @@ def _write_chunk(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_ptr, r
     size1 = D * HD
     if NS_STEPS > 0:  # M' = (1 - alpha) M + step_scale NS(S'), per matrix on its (D, HD) view
         eta, alpha = _ns_row(gates_ptr, row)
-        _ns_forward(new1 + size1, HD, 1, x1, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
-        _ns_forward(new2 + size1, 1, D, x2, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
+        _ns_forward(new1 + size1, HD, 1, x1, D, HD, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
+        _ns_forward(new2 + size1, 1, D, x2, D, HD, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
         for h0 in range(0, HD, BH):
             w1 = _load(old1 + h0, rd, rh, D, HD - h0, HD, 1)
             w2t = _load(old2 + h0 * D, rd, rh, D, HD - h0, 1, D)
@@ -532,9 +539,9 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_
             d_eta = 0.0
             d_alpha = 0.0
             _ns_backward(new1 + size1, ds1, ds1 + size1, HD, 1, iter_ptr + pid * 2 * NS_STEPS * size1,
-                         ybuf_ptr + pid * 2 * size1, step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
+                         ybuf_ptr + pid * 2 * size1, step_scale, D, HD, NS_STEPS, A_COEF, B_COEF, C_COEF, BD, BH, BF16)
             _ns_backward(new2 + size2, ds2, ds2 + size2, 1, D, iter_ptr + (pid * 2 + 1) * NS_STEPS * size1,
-                         ybuf_ptr + (pid * 2 + 1) * size1, step_scale, D, HD, rd, rh, NS_STEPS, A_COEF, B_COEF, C_COEF,
+                         ybuf_ptr + (pid * 2 + 1) * size1, step_scale, D, HD, NS_STEPS, A_COEF, B_COEF, C_COEF,
                          BD, BH, BF16)
         else:
             m00, m01, m10, m11 = _mix_row(gates_ptr, row)
