@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import load_script, streamed
+from models.diagnostics import recording
 from models.layers.decoder import DecoderBlock
 from models.lms.mela import Mela, MelaConfig, mela_memory
 
@@ -125,6 +126,9 @@ def test_diagnostics_cover_every_memory_block_cycle_and_decoder_layer():
 
     model = small_model(h_cycles=3)
     model(tokens(2, 24))
+    assert mela_diagnostics(model) == {}  # not recorded by default (models.diagnostics)
+    with recording():
+        model(tokens(2, 24))
     metrics = mela_diagnostics(model)
     for kind, blocks in (("l", model.cfg.l_layers), ("h", model.cfg.h_layers)):
         for i in range(blocks):
@@ -344,3 +348,27 @@ def test_the_default_memory_step_keeps_float32_near_float64_and_the_unit_step_do
             double = model.double()(x)[0, -64:]
         gaps[step] = (single - double).abs().max().item()
     assert gaps[0.1] < 1e-4 and gaps[1.0] > 1e-2, gaps
+
+
+def test_hmm_memory_blocks_compile_fullgraph_and_match_eager():
+    """Training with compile on compiles each HMM memory block with fullgraph=True
+    (torchtitan_ext/families/mela.py `compile_hmm`; aot_eager here): the recursion's grad-off
+    and grad-on cycles and fresh / carried states fit the recompile limit, and the step's
+    logits and gradients equal the eager model's."""
+    from torchtitan_ext.families.mela import compile_hmm, hmm_blocks
+
+    model, x = small_model(), tokens(2, 32)
+    runs = []
+    for compiled in (False, True):
+        if compiled:
+            compile_hmm(model, "aot_eager")
+        model.zero_grad()
+        logits = model(x)
+        logits.float().square().mean().backward()
+        runs.append((logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert all(model.get_submodule(name)._compiled_call_impl is not None for name in hmm_blocks(model))
+    (eager, eager_grads), (compiled, compiled_grads) = runs
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert len(compiled_grads) == len(eager_grads)
+    for a, b in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import newton_schulz_reference
+from models.diagnostics import recording
 from models.memory.chunk_write import associative_grads, chunk_gates, clip_surprise, mlp_forward, surprise_limit
 from models.memory.neural_memory import (
     chunk_step,
@@ -21,6 +22,13 @@ from models.memory.neural_memory import (
     UpdateRule,
 )
 
+
+
+@pytest.fixture(autouse=True)
+def recording_diagnostics():
+    """The clip shares some tests read are recorded diagnostics (`models.diagnostics`)."""
+    with recording():
+        yield
 
 
 @pytest.fixture(autouse=True)

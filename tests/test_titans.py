@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import load_script, streamed
+from models.diagnostics import recording
 from models.lms.titans import mac_mask, prefix_window_mask, TitansConfig, TitansLM, VARIANTS
 from models.memory.neural_memory import NeuralMemoryConfig
 
@@ -151,6 +152,9 @@ def test_memory_diagnostics_cover_every_layer(variant):
 
     model = tiny(variant)
     model(torch.randint(0, VOCAB, (2, 20)))
+    assert memory_diagnostics(model) == {}  # not recorded by default (models.diagnostics)
+    with recording():
+        model(torch.randint(0, VOCAB, (2, 20)))
     metrics = memory_diagnostics(model)
     for layer in ("layer0", "layer1"):
         assert metrics[f"memory/{layer}/weight_norm"] > 0 and metrics[f"memory/{layer}/momentum_norm"] > 0
@@ -197,3 +201,30 @@ def test_token_identity_is_not_drowned_by_the_first_block_at_init(variant):
         assert ratio > 1.0, ratio  # 0.02 embeddings: about 0.04
     explicit = TitansConfig(variant=variant, vocab_size=256, dim=64, n_layers=2, n_heads=4, window=64, embedding_std=0.5)
     assert abs(TitansLM(explicit).tok_embeddings.weight.std().item() - 0.5) < 0.01
+
+
+def test_diagnostics_add_no_op_to_a_step_unless_recorded():
+    """Off (the default), a training step computes no statistic (`models.diagnostics`): recording
+    adds ops, and the step's outputs and gradients are the same either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    model, x = tiny("mag"), torch.randint(0, VOCAB, (2, 20))
+    runs = []
+    for on in (False, True):
+        model.zero_grad()
+        with recording(on), Count() as count:
+            out = model(x)
+            out.square().mean().backward()
+        runs.append((count.ops, out.detach(), [p.grad.clone() for p in model.parameters()]))
+    (quiet, out_off, grads_off), (recorded, out_on, grads_on) = runs
+    assert recorded > quiet
+    assert torch.equal(out_off, out_on) and all(torch.equal(a, b) for a, b in zip(grads_off, grads_on))

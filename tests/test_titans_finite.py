@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from models.diagnostics import recording
 from models.lms.titans import TitansConfig, TitansLM, VARIANTS
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig, SURPRISE_BOUND
 from torchtitan_ext.eval import titans_stress
@@ -20,6 +21,13 @@ from torchtitan_ext.eval import titans_stress
 # the smallest run found that goes NaN with the memory unbounded (about 10 s to the NaN).
 REPRODUCER = titans_stress.Cell("mal", 64, 1e-2, 128, 16, seed=0, steps=100, batch_size=16)
 UNBOUNDED = (("max_update_norm", 0.0),)
+
+
+@pytest.fixture(autouse=True)
+def recording_diagnostics():
+    """The clip shares these tests read are recorded diagnostics (`models.diagnostics`)."""
+    with recording():
+        yield
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from torch import nn
 
 from models.layers.attention import document_causal_attention
 from models.layers.ffn import feed_forward
+from models.diagnostics import recording_on
 from models.layers.rope import apply_half_rope, apply_rope, rope_angles, rope_inv_freq
 
 ROPE_LAYOUTS = ("pairs", "halves")
@@ -78,7 +79,7 @@ class AttentionConfig:
     norm_eps: float = 1e-6  # the q / k norms'
     hf_norm: bool = False  # the q / k norms round as transformers' (RMSNorm)
     gated: bool = False  # out * sigmoid(x W_g) before W_o (gated attention, Qiu et al. 2025)
-    prefix_keys: int = 0  # > 0: record the attention mass on the first prefix_keys keys (`last_prefix_mass`)
+    prefix_keys: int = 0  # > 0: the attention mass on the first prefix_keys keys (`last_prefix_mass`, when recorded)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -158,7 +159,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None = None):
         """x (B, L, dim); positions (L,) or (B, L) for RoPE; doc_positions (B, L) or None for masking."""
         q, k, v = self.project(x, positions)
-        if self.cfg.prefix_keys:
+        if self.cfg.prefix_keys and recording_on():
             self._note_prefix_mass(q, k)
         return self.attend(q, k, v, doc_positions, x)
 

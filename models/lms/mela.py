@@ -87,6 +87,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.diagnostics import recording_on
 from models.layers.ffn import swiglu_hidden
 from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
 from models.layers.decoder import Attention, DecoderBlock
@@ -363,11 +364,13 @@ class HierarchicalMemory(nn.Module):
                     low, l_states[k] = self.l_module(low, high, x_p, l_states[k])
                 k = 0 if shared else cycle
                 high, h_states[k] = self.h_module(high, low, None, h_states[k])
-            changes |= {f"cycle{cycle}/{name}_change": relative_norm(after.detach() - prior, prior)
-                        for name, after, prior in (("l", low, before[0]), ("h", high, before[1]))}
+            if recording_on():
+                changes |= {f"cycle{cycle}/{name}_change": relative_norm(after.detach() - prior, prior)
+                            for name, after, prior in (("l", low, before[0]), ("h", high, before[1]))}
             if cfg.memstack or last:
                 zs.append(self.fusions[len(zs)](low, high))
-        self.last_stats = changes
+        if recording_on():
+            self.last_stats = changes
         return zs, tuple(l_states), tuple(h_states)
 
 
@@ -506,9 +509,11 @@ class Mela(nn.Module):
         for i, block in enumerate(self.layers.values()):
             h = block(h, positions)
             if i < len(memory) - 1:
-                memstack[f"decoder{i}/memstack_ratio"] = relative_norm(memory[i], h[:, :c])
+                if recording_on():
+                    memstack[f"decoder{i}/memstack_ratio"] = relative_norm(memory[i], h[:, :c])
                 h = h + self.memstack_addition(memory[i])
-        self.last_stats = memstack
+        if recording_on():
+            self.last_stats = memstack
         h = h[:, c:].unflatten(0, (batch, n_chunks)).flatten(1, 2)[:, :length]
         h = self.norm(h)
         return (h if self._skip_lm_head else self.lm_head(h)), new_state
@@ -527,7 +532,8 @@ def parameter_groups(model: Mela) -> dict[str, int]:
 
 
 def mela_diagnostics(model: nn.Module) -> dict[str, float]:
-    """Diagnostics of the last forward, found through wrappers (FSDP, AC, compile):
+    """Diagnostics of the last forward recorded (`models.diagnostics.recording`), found through
+    wrappers (FSDP, AC, compile):
     `memory/hmm/{l,h}<block>/...` each HMM neural memory's statistics (theta / eta / alpha
     means, fast-weight and momentum norms, update-to-weight ratio; of the last module step
     that ran it), `memory/hmm/cycle<i>/{l,h}_change` (||state after cycle i - before|| /

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from models.diagnostics import recording_on
 from models.layers.attention import masked_attention
 from models.layers.ffn import SwiGLU, swiglu_hidden
 from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
@@ -161,7 +162,8 @@ class ConvexGate(nn.Module):
 
     def forward(self, y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         g = torch.sigmoid(self.proj(y))
-        self.last_gate, self.last_memory_part = g.detach(), ((1 - g) * m).detach()
+        if recording_on():
+            self.last_gate, self.last_memory_part = g.detach(), ((1 - g) * m).detach()
         return g * y + (1 - g) * m
 
 
@@ -183,7 +185,8 @@ class NormGate(nn.Module):
     def forward(self, y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         g = torch.sigmoid(self.m_norm(m))
         normed = self.y_norm(y)
-        self.last_gate, self.last_memory_part = g.detach(), (normed * (1 - g)).detach()
+        if recording_on():
+            self.last_gate, self.last_memory_part = g.detach(), (normed * (1 - g)).detach()
         return normed * g
 
 
@@ -244,8 +247,12 @@ class TitansBlock(nn.Module):
                              prefix_window_mask(self.cfg.n_persistent, self.cfg.window, offset))
         return out, keys[:, -self.cfg.window :]
 
-    def _note_share(self, memory_part: torch.Tensor, total: torch.Tensor) -> None:
-        self.last_memory_share = (memory_part.detach().norm() / total.detach().norm().clamp_min(1e-12))
+    def _note_share(self, memory_part, total: torch.Tensor) -> None:
+        """||memory part|| / ||block update|| while diagnostics are recorded (`models.diagnostics`);
+        memory_part is a callable for the gated variants (the gate's part, recorded only then)."""
+        if recording_on():
+            part = memory_part() if callable(memory_part) else memory_part
+            self.last_memory_share = part.detach().norm() / total.detach().norm().clamp_min(1e-12)
 
     def _mac(self, x: torch.Tensor, state: MemoryState | None, seen: int):
         cfg, outputs = self.cfg, []
@@ -261,7 +268,7 @@ class TitansBlock(nn.Module):
             m, state = self.memory(y if cfg.mac_write == "attention" else h, state)
             out = self.gate(y, m)
             outputs.append(segment + out)
-        self._note_share(self.gate.last_memory_part, out)
+        self._note_share(lambda: self.gate.last_memory_part, out)
         return torch.cat(outputs, 1), state
 
     def step(self, x: torch.Tensor, state: BlockState | None = None):
@@ -276,7 +283,7 @@ class TitansBlock(nn.Module):
             m, memory_state = self.memory(h, memory_state)
             attended, recent = self._window_attention(h, recent, seen)
             out = self.gate(attended, m)
-            self._note_share(self.gate.last_memory_part, out)
+            self._note_share(lambda: self.gate.last_memory_part, out)
             x = x + out
         else:
             m, memory_state = self.memory(self.memory_norm(x), memory_state)
@@ -376,10 +383,11 @@ class TitansLM(nn.Module):
 
 
 def memory_diagnostics(model: nn.Module) -> dict[str, float]:
-    """The thesis' diagnostics from the last forward, per layer: gate mean/std/min/max
-    (MAC, MAG), the memory's share of the block update (||memory part|| / ||update||), and
-    the memory's own statistics (`NeuralMemory.last_stats`: fast-weight and momentum norms,
-    update-to-weight ratio, theta / eta / alpha means). Works through wrappers (FSDP, AC, compile)."""
+    """The thesis' diagnostics from the last forward recorded (`models.diagnostics.recording`),
+    per layer: gate mean/std/min/max (MAC, MAG), the memory's share of the block update
+    (||memory part|| / ||update||), and the memory's own statistics (`NeuralMemory.last_stats`:
+    fast-weight and momentum norms, update-to-weight ratio, theta / eta / alpha means). Works
+    through wrappers (FSDP, AC, compile)."""
     metrics = {}
     for name, block in model.named_modules():
         if not isinstance(block, TitansBlock) or block.last_memory_share is None:

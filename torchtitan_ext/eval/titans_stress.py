@@ -113,15 +113,17 @@ class Watch:
 
 def train_cell(cell: Cell) -> tuple[dict, Watch]:
     """Train one cell (module docstring): (its JSON record, the per-step watch)."""
+    from models.diagnostics import recording
     from models.memory.neural_memory import NeuralMemory
 
     model = build(cell)
     watch = Watch([m for m in model.modules() if isinstance(m, NeuralMemory)])
     start = time.perf_counter()
-    run = mqar.train(model, mqar.Task(seq_len=cell.seq_len, num_kv=8, vocab=256), steps=cell.steps, lr=cell.lr,
-                     batch_size=cell.batch_size, eval_every=10**9, eval_size=16, seed=cell.seed, weight_decay=0.1,
-                     warmup_fraction=0.05 if cell.cosine_steps else 0.1, betas=(0.9, 0.999), clip_norm=1.0,
-                     cosine_steps=cell.cosine_steps, after_step=watch)
+    with recording():  # the watch reads every step's statistics
+        run = mqar.train(model, mqar.Task(seq_len=cell.seq_len, num_kv=8, vocab=256), steps=cell.steps, lr=cell.lr,
+                         batch_size=cell.batch_size, eval_every=10**9, eval_size=16, seed=cell.seed, weight_decay=0.1,
+                         warmup_fraction=0.05 if cell.cosine_steps else 0.1, betas=(0.9, 0.999), clip_norm=1.0,
+                         cosine_steps=cell.cosine_steps, after_step=watch)
     record = {"key": cell.key(), **dataclasses.asdict(cell), "memory": dict(cell.memory),
               "nonfinite_step": run.nonfinite_step,
               "last_loss": run.last_loss if math.isfinite(run.last_loss) else None,

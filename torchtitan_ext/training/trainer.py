@@ -17,6 +17,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from models.diagnostics import recording
 from torchtitan_ext.families import family_of_spec
 from torchtitan_ext.training import preemption
 
@@ -60,9 +61,9 @@ class NonFiniteSteps(RuntimeError):
 
 class MemoryTrainer(Trainer):
     """After each logged step, logs the `memory/...` diagnostics of families that have them
-    (`Family.diagnostics`: Titans' `memory_diagnostics`, Mela's `mela_diagnostics`) to
-    wandb/TensorBoard, and a one-line summary (each statistic averaged over layers) to the
-    console, preceded by a warning line naming the layers whose surprise bound clipped or whose
+    (`Family.diagnostics`: Titans' `memory_diagnostics`, Mela's `mela_diagnostics`; the models
+    compute them on logged steps only, `models.diagnostics.recording`) to wandb/TensorBoard,
+    and a one-line summary (each statistic averaged over layers) to the console, preceded by a warning line naming the layers whose surprise bound clipped or whose
     fast-weight norm jumped (`memory_events`), when any did. Values come from rank 0's last
     micro-batch (the forward of the logged step: clipping between two logged steps shows only
     where it lasts to the next). On SIGTERM (any rank), every rank stops after the same finished
@@ -161,16 +162,18 @@ class MemoryTrainer(Trainer):
         return step
 
     def train_step(self, data_iterator):
+        logged = self.metrics_processor.should_log(self.step)
         try:
-            super().train_step(data_iterator)
+            with recording(logged):  # the models' statistics on logged steps only
+                super().train_step(data_iterator)
         except RuntimeError as e:  # torchtitan's "Loss is not finite" of a step the guard skipped
             if isinstance(e, NonFiniteSteps) or not self._update_skipped():
                 raise
-        if not self.metrics_processor.should_log(self.step):
+        if not logged:
             return
         self._log_skips()
-        diagnostics = family_of_spec(self.config.model_spec.name).diagnostics
-        metrics = diagnostics(self.model_parts[0]) if diagnostics else {}
+        family_metrics = family_of_spec(self.config.model_spec.name).diagnostics
+        metrics = family_metrics(self.model_parts[0]) if family_metrics else {}
         if not metrics:
             return
         self.metrics_processor.logger.log(metrics, self.step)
