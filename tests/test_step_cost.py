@@ -212,14 +212,19 @@ def test_whole_sequence_kernels_are_costed_once_per_call():
 
 def test_compiled_mode_compiles_what_training_compiles():
     """Mode "compiled" fuses only the modules the family's training compiles: Mela's decoder
-    blocks (torchtitan's per-block compile of `layers`) fuse, its memory module (outside
-    `layers`) keeps every eager launch; "graphs" runs the same kernels at the graph's cost."""
+    blocks (torchtitan's per-block compile of `layers`) and HMM memory blocks fuse, the HMM's
+    fusion MLPs between them keep every eager launch; "graphs" runs the same kernels at the
+    graph's cost."""
     from torchtitan_ext.families import family_and_overrides
 
     eager, compiled, graphs = (predict("mela_debug", seq_len=64, mode=mode) for mode in ("eager", "compiled", "graphs"))
-    assert compiled.compiled_modules == tuple(f"layers.{i}" for i in range(4))
-    for memory_class in ("memory update", "memory read"):
-        assert compiled.cost.classes[memory_class].launches == eager.cost.classes[memory_class].launches
+    assert compiled.compiled_modules == (*(f"layers.{i}" for i in range(4)), "hmm.l_module.blocks.0",
+                                         "hmm.h_module.blocks.0", "hmm.h_module.blocks.1")
+    block = "mela.py:MemoryBlock.forward"
+    assert compiled.cost.functions[block].launches < eager.cost.functions[block].launches / 2
+    assert compiled.cost.classes["memory update"].launches < eager.cost.classes["memory update"].launches
+    fusion = "mela.py:FusionMLP.forward"
+    assert compiled.cost.functions[fusion].launches == eager.cost.functions[fusion].launches
     decoder_norm = "decoder.py:RMSNorm.forward"  # in the decoder blocks only (the HMM's norms are nn.RMSNorm)
     assert compiled.cost.functions[decoder_norm].launches < eager.cost.functions[decoder_norm].launches / 2
     assert graphs.cost.total.launches == compiled.cost.total.launches

@@ -22,7 +22,9 @@ narrower memory MLP, so those differ per flavor.
 
 from __future__ import annotations
 
-from models.lms.mela import Mela, MelaConfig, mela_diagnostics, mela_memory
+import dataclasses
+
+from models.lms.mela import Mela, MelaConfig, MemoryBlock, mela_diagnostics, mela_memory
 from torchtitan_ext.families import Family
 from torchtitan_ext import flops
 
@@ -72,7 +74,64 @@ def flops_per_token(cfg: MelaConfig, seq_len: int) -> float:
     return decoder + (hmm if cfg.memory_path else 0.0)
 
 
+# Graphs one HMM memory block's compiled forward may need (dynamo's default limit is 8): the
+# recursion calls the same blocks with grad on (the last cycle) and off (HRM's earlier cycles),
+# with a fresh or a carried memory state, whose tensors require grad or not: 6 graphs at the
+# debug flavor (H = L = 2), each shared by every block of one shape (modules are graph inputs).
+HMM_RECOMPILE_LIMIT = 16
+
+
+def hmm_blocks(model) -> list[str]:
+    """Names of the HMM's memory blocks (attention + neural memory, `MemoryBlock`)."""
+    return [name for name, module in model.named_modules() if isinstance(module, MemoryBlock)]
+
+
+def compiled_modules(model) -> list[str]:
+    """What Mela's training compiles: torchtitan's per-block compile of the decoder `layers`,
+    and each HMM memory block (`compile_hmm`)."""
+    return [f"layers.{key}" for key, _ in model.layers.named_children()] + hmm_blocks(model)
+
+
+def compile_hmm(model, backend: str) -> None:
+    """Compile each HMM memory block with fullgraph=True (its attention and neural memory;
+    the recursion, fusions and patchify between them stay eager), allowing
+    HMM_RECOMPILE_LIMIT graphs per block."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, HMM_RECOMPILE_LIMIT)
+    for name in hmm_blocks(model):
+        model.get_submodule(name).compile(backend=backend, fullgraph=True)
+
+
+def compile_regions(model, backend: str) -> None:
+    """Every module of `compiled_modules`, as training compiles them (scripts/bench_models.py)."""
+    compile_hmm(model, backend)
+    for block in model.layers.values():
+        block.compile(backend=backend, fullgraph=True)
+
+
+def parallelize_mela(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+    """With compile on, the HMM's memory blocks (`compile_hmm`), then torchtitan's AC ->
+    per-block compile of the decoder `layers` -> FSDP2 (`parallelize_plain_decoder`)."""
+    from torchtitan_ext.families.plain_model import parallelize_plain_decoder
+
+    if compile_config.enable:
+        compile_hmm(model, compile_config.backend)
+    return parallelize_plain_decoder(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                                     compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
+
+
+def mela_spec(flavor: str, **overrides):
+    """The family's ModelSpec: the plain-model spec with `parallelize_mela`."""
+    from torchtitan_ext.families.plain_model import plain_model_spec, torchtitan_model
+
+    config = FAMILY.config(flavor, **overrides)
+    spec = plain_model_spec(FAMILY.spec_name(config), flavor, torchtitan_model(Mela, MelaConfig, flops_per_token), config)
+    return dataclasses.replace(spec, parallelize_fn=parallelize_mela)
+
+
 FAMILY = Family(name="mela", summary="Mela: Transformer++ decoder reading a Hierarchical Memory Module (arXiv:2605.10537)",
                 flavors=FLAVORS, config_class=MelaConfig, plain_class=Mela, flops_per_token=flops_per_token,
-                diagnostics=mela_diagnostics)
+                diagnostics=mela_diagnostics, build_spec=mela_spec, compile_regions=compile_regions,
+                compiled_modules=compiled_modules)
 model_config, model_spec = FAMILY.config, FAMILY.model_spec
