@@ -296,9 +296,10 @@ torch.library.register_autograd("memory_kernels::whole_sequence_fwd", _backward,
 
 def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 0, step_scale: float = 1.0,
                           residual: bool = False, read_after_write: bool = False, checkpoint_every: int = 1,
-                          bf16_products: bool = False, limit: torch.Tensor | None = None):
+                          bf16_products: bool = False, limit: torch.Tensor | None = None, return_scales: bool = False):
     """The Triton path of the module docstring's rule: (y (B, H, N, C, d) fp32, final state
-    (two (B, H, 2, in, out) fp32)); the state entering every `checkpoint_every`-th chunk is kept
+    (two (B, H, 2, in, out) fp32)), and with `return_scales` the bound's scales (B*H, N, 2, K)
+    fp32 = [matrix][weighting] of every chunk (1 where it did not clip; (0,) without a bound); the state entering every `checkpoint_every`-th chunk is kept
     for the backward; `bf16_products`: the fast-weight products from bf16 operands (as bf16
     autocast runs the chunk loop's), else fp32 exactly; `limit` (B, H, N, K) the surprise bound
     of each chunk's G_m (module docstring; models/memory/chunk_write.py `surprise_limit`), None
@@ -311,9 +312,11 @@ def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 
     if reason is not None:
         raise ValueError(f"whole_sequence_memory: {reason}; use the chunked path")
     flat_gates = gates if ns_steps else gates.flatten(-2)
-    y, s1, s2, *_ = _forward_op(q, k, v, token_weights, flat_gates, state[0], state[1], ns_steps, float(step_scale),
-                                residual, read_after_write, checkpoint_every, bf16_products,
-                                None if limit is None else limit.detach())
+    y, s1, s2, _, _, scales = _forward_op(q, k, v, token_weights, flat_gates, state[0], state[1], ns_steps,
+                                          float(step_scale), residual, read_after_write, checkpoint_every,
+                                          bf16_products, None if limit is None else limit.detach())
+    if return_scales:
+        return y, (s1, s2), scales[..., : token_weights.shape[-1]] if limit is not None else scales
     return y, (s1, s2)
 
 

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import REPO, load_script
 
 from kernels.whole_sequence import refusal, saved_bytes, whole_sequence_memory, whole_sequence_reference
+from models.diagnostics import recording
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
 NAMES = ("y", "new W_1", "new W_2", "d s1", "d s2", "dq", "dk", "dv", "d token_weights", "d gates")
@@ -249,21 +250,40 @@ def test_whole_sequence_layer_matches_chunk_loop(name):
 
 
 def test_whole_sequence_falls_back_with_reason():
-    """A float64 state, or the default surprise bound, cannot take the kernels: the layer warns
-    with the reason and runs the chunk loop, equal bit for bit to a layer without the option."""
+    """A float64 state cannot take the kernels: the layer warns with the reason and runs the
+    chunk loop, equal bit for bit to a layer without the option."""
     torch.manual_seed(0)
-    for bound, dtype, reason in ((0.0, torch.float64, "float32"), (None, torch.float32, "surprise bound")):
-        bound = {} if bound is None else dict(max_update_norm=bound)
-        layers = [NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, whole_sequence=w,
-                                                  **bound)).to(dtype) for w in (False, True)]
-        layers[1].load_state_dict(layers[0].state_dict())
-        x = torch.randn(1, 8, 16, dtype=dtype)
-        with pytest.warns(UserWarning, match=f"whole-sequence memory path not taken.*{reason}"):
-            y_whole, _ = layers[1](x)
-        assert torch.equal(y_whole, layers[0](x)[0])
+    layers = [NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, whole_sequence=w)).double()
+              for w in (False, True)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="whole-sequence memory path not taken.*float32"):
+        y_whole, _ = layers[1](x)
+    assert torch.equal(y_whole, layers[0](x)[0])
     s1, s2, q, k, v, tw, gates = inputs(1, 1, 2, 8, 16, 32, 0)
     assert "depth 1" in refusal((s1,), q, k, v, tw, gates, 0)
     assert "gates has shape" in refusal((s1, s2), q, k, v, tw, gates[..., 0], 0)
+
+
+@pytest.mark.parametrize("memory", [{"max_update_norm": 0.5}, {"gates": "chunk", "residual": True, "max_update_norm": 1.0}],
+                         ids=["token_rule", "chunk_rule"])
+def test_whole_sequence_layer_applies_the_surprise_bound_as_the_chunk_loop(memory):
+    """A bound tight enough to clip some chunks' sums and not others (about a fifth to a third here):
+    the whole-sequence layer takes the kernels (no fallback warning), clips the same share of
+    sums as the chunk loop, and gives its outputs and gradients."""
+    torch.manual_seed(0)
+    layers = [NeuralMemory(NeuralMemoryConfig(dim=32, n_heads=2, head_dim=16, chunk_size=8, whole_sequence=whole,
+                                              **memory)) for whole in (False, True)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = 3 * torch.randn(2, 32, 32)
+    runs = []
+    with recording(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for layer in layers:
+            runs.append((layer_run(layer, x, 1), float(layer.last_stats["clipped_share"])))
+    (loop, loop_share), (whole, whole_share) = runs
+    assert 0 < loop_share < 1 and whole_share == loop_share
+    assert max(relative_errors(whole, loop).values()) < 1e-4
 
 
 def test_saved_bytes_count_the_checkpoints():

@@ -84,9 +84,9 @@ Choices where the papers are silent (tested):
   grow with T), the state entering every `checkpoint_chunks`-th chunk (every chunk's at 0)
   kept for the backward, which recomputes the rest from it (`compiled_chunk_step` does not
   apply to it). Under bf16 autocast its fast-weight products take bf16 operands, as autocast
-  gives the chunk loop's matmuls; the state and its update stay fp32. Depth 2, float32 state,
-  `max_update_norm` 0 (the kernels have no surprise bound), a CUDA device (TRITON_INTERPRET=1
-  on CPU); anything else runs the chunk loop after a warning naming why. Off by default until
+  gives the chunk loop's matmuls; the state and its update stay fp32; the surprise bound
+  (`max_update_norm`) is applied inside the kernels, as the chunk loop applies it. Depth 2,
+  float32 state, a CUDA device (TRITON_INTERPRET=1 on CPU); anything else runs the chunk loop after a warning naming why. Off by default until
   a GPU measures it faster.
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
@@ -133,10 +133,11 @@ Choices where the papers are silent (tested):
   (900 steps) the bound first clips at step 468 and clips up to 12% of the sums by step 900
   (validation accuracy within the unbounded run's seed spread, docs/benchmarks.md), so
   `clipped_share` is worth watching in long runs.
-  The share of sums clipped in the last forward is `last_stats["clipped_share"]`, which the
-  training log reports (torchtitan_ext/training/trainer.py). The fused token step and the
-  whole-sequence kernels have no bound: they run only with `max_update_norm = 0` (and fall back
-  to the chunk loop with a warning otherwise).
+  The share of sums clipped in the last recorded forward (`models.diagnostics.recording`) is
+  `last_stats["clipped_share"]`, which the training log reports at each logged step
+  (torchtitan_ext/training/trainer.py). The chunk loop and the whole-sequence kernels apply
+  the bound; the fused token step has none: it runs only with `max_update_norm = 0` (and falls
+  back to the chunk loop with a warning otherwise).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ from kernels import memory_update as kernel_memory_update
 from kernels import (FUSED_TOKEN_STEP_BACKENDS, token_chunk_step, token_step_backend,
                      token_step_refusal)
 from kernels.token_step import AUTOCAST_DEVICE_TYPES
+from models.diagnostics import recording_on
 from kernels.whole_sequence import refusal as whole_sequence_refusal
 from kernels.whole_sequence import whole_sequence_memory
 from models.memory.chunk_write import (associative_grads, chunk_gates, clip_surprise, mlp_forward, surprise_limit,
@@ -390,13 +392,13 @@ def sequence_gates(token_weights, decays, rule: UpdateRule):
 
 def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: UpdateRule, checkpoint_every: int = 1):
     """All chunks (inputs (B, H, N, C, ...) as `run_chunks`) through `kernels.whole_sequence_memory`
-    (one forward and one backward launch, the state of every `checkpoint_every`-th chunk kept),
-    or None with a warning naming why it cannot (then the caller runs the chunk loop).
-    Returns (reads (B, H, N, C, d), final stacked state)."""
+    (one forward and one backward launch, the state of every `checkpoint_every`-th chunk kept;
+    with `rule.max_update_norm` the kernels clip each chunk's sums to `surprise_limit` of its
+    token weights, as `chunk_step` does), or None with a warning naming why it cannot (then the
+    caller runs the chunk loop). Returns (reads (B, H, N, C, d), final stacked state, surprise
+    sums clipped (0-dim; 0 without a bound))."""
     token_weights, gates = sequence_gates(*chunk_gates(theta, log_eta, log_keep, rule.gates), rule)
-    reason = "max_update_norm > 0 (the kernels have no surprise bound: set it to 0 to take them)" \
-        if rule.max_update_norm else \
-        whole_sequence_refusal(stacked, q, k, v, token_weights, gates, rule.ns_steps)
+    reason = whole_sequence_refusal(stacked, q, k, v, token_weights, gates, rule.ns_steps)
     if reason is not None:
         if not torch.compiler.is_compiling():
             warnings.warn(f"whole-sequence memory path not taken, chunk loop instead: {reason}", stacklevel=3)
@@ -404,9 +406,14 @@ def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: Upda
     device = q.device.type
     bf16 = device in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device) and \
         torch.get_autocast_dtype(device) == torch.bfloat16  # the chunk loop's matmuls would be bf16 too
-    y, state = whole_sequence_memory(stacked, q, k, v, token_weights, gates, rule.ns_steps, rule.step_scale,
-                                     rule.residual, rule.read_after_write, checkpoint_every, bf16)
-    return y.to(q.dtype), tuple(s.to(t.dtype) for s, t in zip(state, stacked))
+    limit = surprise_limit(token_weights, rule.max_update_norm) if rule.max_update_norm else None
+    y, state, scales = whole_sequence_memory(stacked, q, k, v, token_weights, gates, rule.ns_steps, rule.step_scale,
+                                             rule.residual, rule.read_after_write, checkpoint_every, bf16, limit,
+                                             return_scales=True)
+    if limit is not None and rule.gates != "token":  # the mix form's two sums are one (s G, G): count G once
+        scales = scales[..., -1:]
+    clipped = (scales < 1).sum() if limit is not None else 0
+    return y.to(q.dtype), tuple(s.to(t.dtype) for s, t in zip(state, stacked)), clipped
 
 
 def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk: int,
@@ -438,7 +445,7 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
                    for t in (q, k, v, theta, log_eta, log_keep)))
     outputs, clipped = [], 0
     if whole is not None:
-        outputs, stacked, groups = [whole[0].flatten(2, 3)], whole[1], ()
+        outputs, stacked, groups, clipped = [whole[0].flatten(2, 3)], whole[1], (), whole[2]
     for inputs in groups:
         args = (step, stacked, *inputs, rule)
         ys, stacked, clipped_group = checkpoint(run_chunks, *args, use_reentrant=False) \
@@ -587,14 +594,15 @@ class NeuralMemory(nn.Module):
                           cfg.residual, cfg.surprise_bound, cfg.whole_sequence)
         y, state, clipped_share = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule,
                                                  cfg.compiled_chunk_step, cfg.checkpoint_chunks)
-        self._note_stats(start_weights, state, new[2:], clipped_share)
+        if recording_on():
+            self._note_stats(start_weights, state, new[2:], clipped_share)
         return self._output(y, x), state._replace(conv=conv)
 
     def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor | None) -> None:
-        """Diagnostics of the last forward (detached scalars): Frobenius norms over all fast
-        weights / momenta, the update-to-weight ratio ||M_end - M_start|| / ||M_start||, the
-        means of theta, eta and alpha over the new tokens, and with `max_update_norm` the
-        share of surprise sums it clipped."""
+        """Diagnostics of the last forward recorded (`models.diagnostics.recording`; detached
+        scalars): Frobenius norms over all fast weights / momenta, the update-to-weight ratio
+        ||M_end - M_start|| / ||M_start||, the means of theta, eta and alpha over the new tokens,
+        and with `max_update_norm` the share of surprise sums it clipped."""
         with torch.no_grad():
             def norm(tensors):
                 return torch.stack([t.float().norm() for t in tensors]).norm()
@@ -612,15 +620,9 @@ class NeuralMemory(nn.Module):
 
 def use_whole_sequence(model: nn.Module, enabled: bool = True) -> int:
     """Switch every `NeuralMemory` of `model` onto the whole-sequence path (`enabled`) or off
-    it, as `NeuralMemoryConfig.whole_sequence` would have built it. Returns how many were switched.
-    Switching on also sets `max_update_norm` to 0, with one warning where a memory had a bound:
-    the kernels have no surprise bound (module docstring), so the path runs unbounded."""
+    it, as `NeuralMemoryConfig.whole_sequence` would have built it (each keeps its surprise
+    bound: the kernels apply it). Returns how many were switched."""
     memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]
-    bounded = sum(bool(m.cfg.surprise_bound) for m in memories) if enabled else 0
     for memory in memories:
-        memory.cfg = dataclasses.replace(memory.cfg, whole_sequence=enabled,
-                                         max_update_norm=0.0 if enabled else memory.cfg.max_update_norm)
-    if bounded:
-        warnings.warn(f"whole-sequence path: the surprise bound of {bounded} memories is off (max_update_norm 0): "
-                      "the kernels have none", stacklevel=2)
+        memory.cfg = dataclasses.replace(memory.cfg, whole_sequence=enabled)
     return len(memories)
