@@ -1,7 +1,7 @@
 """Training throughput (tokens/s, MFU) of every model family's paper flavor, without torchtitan.
 
     python scripts/bench_models.py [--models titans_mac:400m,mela:400m] [--batch 2] [--seq-len 4096]
-        [--steps 10] [--warmup 3] [--compile] [--whole-sequence] [--device cuda]
+        [--steps 10] [--warmup 3] [--compile] [--cuda-graphs] [--whole-sequence] [--device cuda]
     python scripts/bench_models.py --device cpu --dry-run     # every family at debug size, a few steps
     python scripts/bench_models.py --models titans_mac:400m --device cuda --profile --json   # + top kernels, JSON
 
@@ -23,6 +23,8 @@ before `--warmup` (compilation, allocator warm-up) are not timed. `--dry-run`: d
 fp32, batch 2, 3 steps, short sequences: proves every family builds, steps and reports.
 The first step's wall time (compilation included) is reported beside the timed steps'.
 `--whole-sequence` puts every neural memory on the whole-sequence kernels (kernels/whole_sequence.py).
+`--cuda-graphs` (CUDA): after the warmup, one step is captured as a CUDA graph and the timed
+steps are its replays (`capture_step`), the step's launch cost paid once on the host.
 `--profile` runs one more step under torch.profiler and reports the 10 kernels (CUDA; CPU ops
 on a CPU) with the most self time; `--json` adds one `JSON {...}` line per model
 (scripts/gpu_session.py reads them).
@@ -63,6 +65,7 @@ class Result:
     flops_per_token: float = 0.0
     peak_memory: int = 0
     first_step_s: float = 0.0
+    capture_s: float = 0.0  # --cuda-graphs: warmup and capture
     top_kernels: list = dataclasses.field(default_factory=list)  # [(name, self ms per step)], --profile
     error: str = ""
 
@@ -96,9 +99,14 @@ def top_kernels(step, device: torch.device, count: int = 10) -> list[tuple[str, 
 
 
 def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: int, steps: int, warmup: int,
-          bf16: bool, compile_model: bool, profile_kernels: bool = False, whole_sequence: bool = False) -> Result:
-    """Train one flavor for warmup + steps steps; tokens/s over the timed steps."""
+          bf16: bool, compile_model: bool, profile_kernels: bool = False, whole_sequence: bool = False,
+          cuda_graphs: bool = False) -> Result:
+    """Train one flavor for warmup + steps steps; tokens/s over the timed steps (`cuda_graphs`:
+    the warmup steps on a side stream, one step captured as a CUDA graph, the timed steps its
+    replays; `capture_step`)."""
     result = Result(name, flavor)
+    if cuda_graphs and device.type != "cuda":
+        return Result(name, flavor, error="--cuda-graphs needs a CUDA device (--device cuda)")
     model, cfg, flops_per_token = build(name, flavor)
     if whole_sequence and not use_whole_sequence(model):
         return Result(name, flavor, error="--whole-sequence: this model has no neural memory")
@@ -106,7 +114,7 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
     model = model.to(device)
     result.params = sum(p.numel() for p in model.parameters())
     result.flops_per_token = flops_per_token(seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda", capturable=cuda_graphs)
     if compile_model:  # as the family's training compiles it (`Family.compile`): by regions or per block
         family_and_overrides(name)[0].compile(model, "inductor")
     data = inputs(family_and_overrides(name)[0].name, batch, seq_len, cfg.vocab_size, device)
@@ -115,13 +123,17 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
         torch.cuda.reset_peak_memory_stats(device)
 
     def train_step() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        # autocast's weight cache must be off under graph capture (torch's CUDA-graph notes)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=not cuda_graphs):
             loss = loss_of(model, data)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    if cuda_graphs:
+        train_step, result.capture_s = capture_step(train_step, optimizer, warmup)
+        warmup = 1  # the first replay is not timed
     start = time.perf_counter()
     for step in range(warmup + steps):
         if step == warmup:
@@ -140,6 +152,33 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
     if device.type == "cuda":
         result.peak_memory = torch.cuda.max_memory_allocated(device)
     return result
+
+
+def capture_step(train_step, optimizer, warmup: int):
+    """(a function replaying one training step captured as a CUDA graph, seconds the warmup and
+    capture took): `warmup` (>= 1) steps run on a side stream first, as torch's whole-network
+    capture recipe does (lazy initialisation, compilation, allocator), then one step (forward,
+    backward, optimizer step) is captured; each replay returns the captured step's loss
+    (the same tensor, overwritten). The data and every buffer are static: a replay trains the
+    same batch again, which is what a throughput benchmark needs."""
+    start = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            train_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = train_step()
+    torch.cuda.synchronize()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return loss
+
+    return replay, time.perf_counter() - start
 
 
 def parse_models(text: str | None, dry_run: bool) -> list[tuple[str, str]]:
@@ -164,6 +203,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     parser.add_argument("--compile", action="store_true", help="compile as training does (per block or by regions)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="capture one step as a CUDA graph after the "
+                        "warmup and time --steps replays (with or without --compile; CUDA only)")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (always so on CPU)")
     parser.add_argument("--whole-sequence", action="store_true", help="every neural memory on the whole-sequence "
                         "kernels (NeuralMemoryConfig.whole_sequence; a CUDA device)")
@@ -182,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     peak, source = device_peak(device, bf16)
     print(f"torch {torch.__version__}; {source}; {'bf16 autocast' if bf16 else 'fp32'}"
-          f"{', torch.compile' if args.compile else ''}; batch {args.batch}; seq_len {args.seq_len} "
+          f"{', torch.compile' if args.compile else ''}{', CUDA graph replays' if args.cuda_graphs else ''}; batch {args.batch}; seq_len {args.seq_len} "
           f"(raised to what a model needs); {args.steps} timed steps after {args.warmup}")
     print(f"{'model':<14} {'flavor':<12} {'params':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7} {'peak GiB':>9}")
     failed = False
@@ -190,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             r = bench(name, flavor, device=device, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
                       warmup=args.warmup, bf16=bf16, compile_model=args.compile, profile_kernels=args.profile,
-                      whole_sequence=args.whole_sequence)
+                      whole_sequence=args.whole_sequence, cuda_graphs=args.cuda_graphs)
         except torch.cuda.OutOfMemoryError:
             r = Result(name, flavor, error="out of memory: lower --batch or --seq-len")
             torch.cuda.empty_cache()
@@ -203,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         achieved = r.tokens_per_s * r.flops_per_token
         memory = f"{r.peak_memory / 2**30:9.1f}" if r.peak_memory else f"{'-':>9}"
         print(f"{name:<14} {flavor:<12} {r.params / 1e6:7.1f}M {r.tokens_per_s:10,.0f} {achieved / 1e12:8.3f} "
-              f"{achieved / peak:7.2%} {memory}   first step {r.first_step_s:.1f} s")
+              f"{achieved / peak:7.2%} {memory}   first step {r.first_step_s:.1f} s"
+              f"{f', warmup and capture {r.capture_s:.1f} s' if r.capture_s else ''}")
         for kernel, ms in r.top_kernels:
             print(f"    {ms:9.2f} ms  {kernel}")
         if args.json:

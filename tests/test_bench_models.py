@@ -59,3 +59,11 @@ def test_whole_sequence_flag_switches_every_memory_and_names_a_model_without_one
     model, cfg, _ = build("titans_mac", "debug")
     assert use_whole_sequence(model) == cfg.n_layers
     assert all(m.cfg.whole_sequence for m in model.modules() if hasattr(m, "cfg") and hasattr(m.cfg, "whole_sequence"))
+
+
+def test_cuda_graphs_flag_needs_a_cuda_device(capsys):
+    """`--cuda-graphs` captures a step on a CUDA device (`capture_step`); elsewhere each model is
+    an error row naming the device, and the exit status is 1."""
+    bench = load_script("bench_models")
+    assert bench.main(["--device", "cpu", "--dry-run", "--cuda-graphs", "--models", "transformer"]) == 1
+    assert "--cuda-graphs needs a CUDA device (--device cuda)" in capsys.readouterr().out

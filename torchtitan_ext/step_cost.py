@@ -917,7 +917,7 @@ def predict(config: str, *, seq_len: int = 4096, batch: int = 2, mode: str = "ea
     data = plain_step.inputs(family.name, batch, seq_len, cfg.vocab_size, "meta")
     compiled = mode != "eager"
     compile_modules = tuple(family.compiled_module_names(model)) if compiled else ()
-    chunk_loop = family.compile_regions is not None and not whole_sequence  # Titans: `compiled_chunk_step`
+    chunk_loop = family.name == "titans" and not whole_sequence  # its compile_regions compiles the chunk step
     model.train()
     cost = record_step(model, lambda m: plain_step.loss_of(m, data), tokens=batch * seq_len, bf16=True,
                        compiled=compiled, compile_modules=frozenset(compile_modules),
