@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import load_script, streamed
-from models.diagnostics import recording
+from models.layers.diagnostics import recording
 from models.layers.decoder import DecoderBlock
 from models.lms.mela import Mela, MelaConfig, mela_memory
 
@@ -126,7 +126,7 @@ def test_diagnostics_cover_every_memory_block_cycle_and_decoder_layer():
 
     model = small_model(h_cycles=3)
     model(tokens(2, 24))
-    assert mela_diagnostics(model) == {}  # not recorded by default (models.diagnostics)
+    assert mela_diagnostics(model) == {}  # not recorded by default (models.layers.diagnostics)
     with recording():
         model(tokens(2, 24))
     metrics = mela_diagnostics(model)

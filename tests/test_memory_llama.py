@@ -11,6 +11,7 @@ import torch
 
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
 from models.grafts.graft import apply_graft, graft_diagnostics, GraftConfig
+from models.layers.diagnostics import recording
 from models.grafts.memory_llama import MemoryLlamaBlock, MemoryLlamaConfig, THESIS_MEMORY
 from models.memory.neural_memory import NeuralMemoryConfig
 from torchtitan_ext.families.backbone import FAMILY, load_hf_backbone
@@ -268,15 +269,16 @@ def test_zero_initialised_paths_get_gradient_from_the_second_step():
 
 
 def test_diagnostics_follow_the_gate():
+    """The block's gate statistics and, recorded (`models.layers.diagnostics`), its memory's own."""
     model = tiny(layers="alma")
-    with torch.no_grad():
+    with torch.no_grad(), recording():
         model(tokens())
     stats = graft_diagnostics(model)
     for layer in (1, 2):
         assert stats[f"memory/layer{layer}/gate_max"] == 0 == stats[f"memory/layer{layer}/contribution_global"]
         assert stats[f"memory/layer{layer}/w_h_norm"] == 0
         assert 0 < stats[f"memory/layer{layer}/theta_mean"] < 0.01  # the memory's own statistics: theta < max_lr
-    with torch.no_grad():
+    with torch.no_grad(), recording():
         awaken(model)(tokens())
     stats = graft_diagnostics(model)
     assert 0 < stats["memory/layer2/gate_min"] <= stats["memory/layer2/gate_mean"] <= stats["memory/layer2/gate_max"] < 1

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import newton_schulz_reference
-from models.diagnostics import recording
+from models.layers.diagnostics import recording
 from models.memory.chunk_write import associative_grads, chunk_gates, clip_surprise, mlp_forward, surprise_limit
 from models.memory.neural_memory import (
     chunk_step,
@@ -26,7 +26,7 @@ from models.memory.neural_memory import (
 
 @pytest.fixture(autouse=True)
 def recording_diagnostics():
-    """The clip shares some tests read are recorded diagnostics (`models.diagnostics`)."""
+    """The clip shares some tests read are recorded diagnostics (`models.layers.diagnostics`)."""
     with recording():
         yield
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import load_script, streamed
-from models.diagnostics import recording
+from models.layers.diagnostics import recording
 from models.lms.titans import mac_mask, prefix_window_mask, TitansConfig, TitansLM, VARIANTS
 from models.memory.neural_memory import NeuralMemoryConfig
 
@@ -152,7 +152,7 @@ def test_memory_diagnostics_cover_every_layer(variant):
 
     model = tiny(variant)
     model(torch.randint(0, VOCAB, (2, 20)))
-    assert memory_diagnostics(model) == {}  # not recorded by default (models.diagnostics)
+    assert memory_diagnostics(model) == {}  # not recorded by default (models.layers.diagnostics)
     with recording():
         model(torch.randint(0, VOCAB, (2, 20)))
     metrics = memory_diagnostics(model)
@@ -204,7 +204,7 @@ def test_token_identity_is_not_drowned_by_the_first_block_at_init(variant):
 
 
 def test_diagnostics_add_no_op_to_a_step_unless_recorded():
-    """Off (the default), a training step computes no statistic (`models.diagnostics`): recording
+    """Off (the default), a training step computes no statistic (`models.layers.diagnostics`): recording
     adds ops, and the step's outputs and gradients are the same either way."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from models.diagnostics import recording
+from models.layers.diagnostics import recording
 from models.lms.titans import TitansConfig, TitansLM, VARIANTS
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig, SURPRISE_BOUND
 from torchtitan_ext.eval import titans_stress
@@ -25,7 +25,7 @@ UNBOUNDED = (("max_update_norm", 0.0),)
 
 @pytest.fixture(autouse=True)
 def recording_diagnostics():
-    """The clip shares these tests read are recorded diagnostics (`models.diagnostics`)."""
+    """The clip shares these tests read are recorded diagnostics (`models.layers.diagnostics`)."""
     with recording():
         yield
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from models.layers.attention import document_causal_attention
 from models.layers.ffn import feed_forward
-from models.diagnostics import recording_on
+from models.layers.diagnostics import recording_on
 from models.layers.rope import apply_half_rope, apply_rope, rope_angles, rope_inv_freq
 
 ROPE_LAYOUTS = ("pairs", "halves")

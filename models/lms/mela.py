@@ -87,7 +87,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.diagnostics import recording_on
+from models.layers.diagnostics import recording_on
 from models.layers.ffn import swiglu_hidden
 from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
 from models.layers.decoder import Attention, DecoderBlock
@@ -532,7 +532,7 @@ def parameter_groups(model: Mela) -> dict[str, int]:
 
 
 def mela_diagnostics(model: nn.Module) -> dict[str, float]:
-    """Diagnostics of the last forward recorded (`models.diagnostics.recording`), found through
+    """Diagnostics of the last forward recorded (`models.layers.diagnostics.recording`), found through
     wrappers (FSDP, AC, compile):
     `memory/hmm/{l,h}<block>/...` each HMM neural memory's statistics (theta / eta / alpha
     means, fast-weight and momentum norms, update-to-weight ratio; of the last module step

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from models.diagnostics import recording_on
+from models.layers.diagnostics import recording_on
 from models.layers.attention import masked_attention
 from models.layers.ffn import SwiGLU, swiglu_hidden
 from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
@@ -248,7 +248,7 @@ class TitansBlock(nn.Module):
         return out, keys[:, -self.cfg.window :]
 
     def _note_share(self, memory_part, total: torch.Tensor) -> None:
-        """||memory part|| / ||block update|| while diagnostics are recorded (`models.diagnostics`);
+        """||memory part|| / ||block update|| while diagnostics are recorded (`models.layers.diagnostics`);
         memory_part is a callable for the gated variants (the gate's part, recorded only then)."""
         if recording_on():
             part = memory_part() if callable(memory_part) else memory_part
@@ -383,7 +383,7 @@ class TitansLM(nn.Module):
 
 
 def memory_diagnostics(model: nn.Module) -> dict[str, float]:
-    """The thesis' diagnostics from the last forward recorded (`models.diagnostics.recording`),
+    """The thesis' diagnostics from the last forward recorded (`models.layers.diagnostics.recording`),
     per layer: gate mean/std/min/max (MAC, MAG), the memory's share of the block update
     (||memory part|| / ||update||), and the memory's own statistics (`NeuralMemory.last_stats`:
     fast-weight and momentum norms, update-to-weight ratio, theta / eta / alpha means). Works

@@ -133,7 +133,7 @@ Choices where the papers are silent (tested):
   (900 steps) the bound first clips at step 468 and clips up to 12% of the sums by step 900
   (validation accuracy within the unbounded run's seed spread, docs/benchmarks.md), so
   `clipped_share` is worth watching in long runs.
-  The share of sums clipped in the last recorded forward (`models.diagnostics.recording`) is
+  The share of sums clipped in the last recorded forward (`models.layers.diagnostics.recording`) is
   `last_stats["clipped_share"]`, which the training log reports at each logged step
   (torchtitan_ext/training/trainer.py). The chunk loop and the whole-sequence kernels apply
   the bound; the fused token step has none: it runs only with `max_update_norm = 0` (and falls
@@ -158,7 +158,7 @@ from kernels import memory_update as kernel_memory_update
 from kernels import (FUSED_TOKEN_STEP_BACKENDS, token_chunk_step, token_step_backend,
                      token_step_refusal)
 from kernels.token_step import AUTOCAST_DEVICE_TYPES
-from models.diagnostics import recording_on
+from models.layers.diagnostics import recording_on
 from kernels.whole_sequence import refusal as whole_sequence_refusal
 from kernels.whole_sequence import whole_sequence_memory
 from models.memory.chunk_write import (associative_grads, chunk_gates, clip_surprise, mlp_forward, surprise_limit,
@@ -599,7 +599,7 @@ class NeuralMemory(nn.Module):
         return self._output(y, x), state._replace(conv=conv)
 
     def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor | None) -> None:
-        """Diagnostics of the last forward recorded (`models.diagnostics.recording`; detached
+        """Diagnostics of the last forward recorded (`models.layers.diagnostics.recording`; detached
         scalars): Frobenius norms over all fast weights / momenta, the update-to-weight ratio
         ||M_end - M_start|| / ||M_start||, the means of theta, eta and alpha over the new tokens,
         and with `max_update_norm` the share of surprise sums it clipped."""

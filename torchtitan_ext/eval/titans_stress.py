@@ -113,7 +113,7 @@ class Watch:
 
 def train_cell(cell: Cell) -> tuple[dict, Watch]:
     """Train one cell (module docstring): (its JSON record, the per-step watch)."""
-    from models.diagnostics import recording
+    from models.layers.diagnostics import recording
     from models.memory.neural_memory import NeuralMemory
 
     model = build(cell)

@@ -17,7 +17,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from models.diagnostics import recording
+from models.layers.diagnostics import recording
 from torchtitan_ext.families import family_of_spec
 from torchtitan_ext.training import preemption
 
@@ -62,7 +62,7 @@ class NonFiniteSteps(RuntimeError):
 class MemoryTrainer(Trainer):
     """After each logged step, logs the `memory/...` diagnostics of families that have them
     (`Family.diagnostics`: Titans' `memory_diagnostics`, Mela's `mela_diagnostics`; the models
-    compute them on logged steps only, `models.diagnostics.recording`) to wandb/TensorBoard,
+    compute them on logged steps only, `models.layers.diagnostics.recording`) to wandb/TensorBoard,
     and a one-line summary (each statistic averaged over layers) to the console, preceded by a warning line naming the layers whose surprise bound clipped or whose
     fast-weight norm jumped (`memory_events`), when any did. Values come from rank 0's last
     micro-batch (the forward of the logged step: clipping between two logged steps shows only
