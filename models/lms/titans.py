@@ -247,12 +247,11 @@ class TitansBlock(nn.Module):
                              prefix_window_mask(self.cfg.n_persistent, self.cfg.window, offset))
         return out, keys[:, -self.cfg.window :]
 
-    def _note_share(self, memory_part, total: torch.Tensor) -> None:
-        """||memory part|| / ||block update|| while diagnostics are recorded (`models.layers.diagnostics`);
-        memory_part is a callable for the gated variants (the gate's part, recorded only then)."""
+    def _note_share(self, memory_part: torch.Tensor | None, total: torch.Tensor) -> None:
+        """||memory part|| / ||block update|| while diagnostics are recorded (`models.layers.diagnostics`;
+        the gate records its part in the same forward then)."""
         if recording_on():
-            part = memory_part() if callable(memory_part) else memory_part
-            self.last_memory_share = part.detach().norm() / total.detach().norm().clamp_min(1e-12)
+            self.last_memory_share = memory_part.detach().norm() / total.detach().norm().clamp_min(1e-12)
 
     def _mac(self, x: torch.Tensor, state: MemoryState | None, seen: int):
         cfg, outputs = self.cfg, []
@@ -268,7 +267,7 @@ class TitansBlock(nn.Module):
             m, state = self.memory(y if cfg.mac_write == "attention" else h, state)
             out = self.gate(y, m)
             outputs.append(segment + out)
-        self._note_share(lambda: self.gate.last_memory_part, out)
+        self._note_share(self.gate.last_memory_part, out)
         return torch.cat(outputs, 1), state
 
     def step(self, x: torch.Tensor, state: BlockState | None = None):
@@ -283,7 +282,7 @@ class TitansBlock(nn.Module):
             m, memory_state = self.memory(h, memory_state)
             attended, recent = self._window_attention(h, recent, seen)
             out = self.gate(attended, m)
-            self._note_share(lambda: self.gate.last_memory_part, out)
+            self._note_share(self.gate.last_memory_part, out)
             x = x + out
         else:
             m, memory_state = self.memory(self.memory_norm(x), memory_state)
