@@ -14,8 +14,10 @@ FLOPs), DIR/rows/<row>.json and DIR/runs/<row>/*.json (a rerun reuses finished r
 `--setting`: plateau32 (default: length 32, every run trained to its plateau), plateau128 (the
 second shape: length 128, 8 pairs), full (the published 2026-11-26 run: 900 steps a run);
 `--quick` is `--setting quick`, the seconds-long form the tests run; `--seeds N` / `--steps N`
-override the setting's (the first seed sweeps the learning rates; with a plateau, `--steps` is
-the base the cap multiplies).
+override the setting's (the first seed sweeps the learning rates; rows the setting gives more
+seeds, Setting.row_seeds, keep them; with a plateau, `--steps` is the base the cap multiplies).
+`--rows` trains those rows; the report holds every row finished in DIR under the same setting
+and lists the others as not run (batches of rows add up).
 
 Writes DIR/leaderboard.md, DIR/leaderboard.json, DIR/ppl_vs_length.png,
 DIR/recall_vs_length.png; each cell's figures in DIR/cells/<row>/seed<k>.json (a rerun skips

@@ -193,4 +193,54 @@ def test_the_second_shape_keeps_melas_span_apart_from_the_window():
     assert mqar_suite.row_spec("titans_mac", s)[1]["window"] == 16 and s.max_steps() == 6 * s.steps
     with pytest.raises(ValueError, match="must equal mela_span 64"):
         dataclasses.replace(s, mela_chunk=4)
-    assert mqar_suite.SETTINGS["full"].plateau() is None and s.plateau() == mqar.Plateau(0.99, 0.01, 10)
+    assert mqar_suite.SETTINGS["full"].plateau() is None and s.plateau() == mqar.Plateau(0.99, 0.01, 20)
+
+
+def test_the_plateau_settings_wait_20_evaluations_and_give_the_seed_sensitive_rows_5_seeds():
+    """W1 (HYPOTHESES.md): 2,000 flat steps at both shapes; issue 48: >= 3 seeds a row, >= 5 where
+    the verdict turned on the seed."""
+    t32, t128 = mqar_suite.SETTINGS["plateau32"], mqar_suite.SETTINGS["plateau128"]
+    assert t32.plateau_window * t32.eval_every == t128.plateau_window * t128.eval_every == 2000
+    assert t32.seeds_of("transformer_full") == (0, 1, 2)
+    assert all(t32.seeds_of(r) == (0, 1, 2, 3, 4) for r in ("mlp_lm", "titans_mac", "titans_mac_inputs"))
+    assert all(t128.seeds_of(r) == (0, 1, 2, 3, 4) for r in mqar_suite.ROWS)
+    assert dataclasses.replace(t32, seeds=tuple(range(6))).seeds_of("mlp_lm") == tuple(range(6))  # --seeds 6 wins
+
+
+def test_a_run_made_under_another_plateau_window_is_trained_again_not_reused(tmp_path, monkeypatch):
+    """The run file's setting is the cache key: more seeds reuse a run, another window does not."""
+    calls = []
+
+    def fake_run(name, s, seed, lr, build=None):
+        calls.append((s.plateau_window, seed, lr))
+        return torch.nn.Linear(1, 1), {"seed": seed, "lr": lr, "plateau_window": s.plateau_window, "val_accuracy": 0.0,
+                                       "stop_step": 1, "stop": "cap", "train_seconds": 0.0}
+
+    monkeypatch.setattr(mqar_suite, "train_run", fake_run)
+    monkeypatch.setattr(mqar_suite, "test_items", lambda model, s, seed: {})
+    mqar_suite.trained("transformer_full", QUICK, 0, 1e-3, tmp_path, log=lambda line: None)
+    more_seeds = dataclasses.replace(QUICK, seeds=(0, 1, 2), row_seeds=(("transformer_full", 4),))
+    assert mqar_suite.trained("transformer_full", more_seeds, 0, 1e-3, tmp_path)["plateau_window"] == 2
+    assert calls == [(2, 0, 1e-3)]
+    longer = dataclasses.replace(QUICK, plateau_window=3)
+    assert mqar_suite.runs_done("transformer_full", longer, tmp_path) == (0, 3)
+    assert mqar_suite.trained("transformer_full", longer, 0, 1e-3, tmp_path, log=lambda line: None)["plateau_window"] == 3
+    assert calls == [(2, 0, 1e-3), (3, 0, 1e-3)]
+    assert mqar_suite.runs_done("transformer_full", longer, tmp_path) == (1, 3)
+    assert mqar_suite.runs_done("transformer_full", QUICK, tmp_path) == (0, 3)  # the window-2 run was replaced
+
+
+def test_batches_of_rows_add_up_and_a_row_not_run_is_listed_not_dropped(tmp_path):
+    """Two batches into one folder: the second report holds the first batch's row too; every other
+    row of the suite is in "not_run" and in each table of mqar.md as "not run"."""
+    quiet = dict(log=lambda line: None)
+    first = mqar_suite.run_suite(QUICK, tmp_path, rows=("transformer_full",), **quiet)
+    assert list(first["rows"]) == ["transformer_full"] and list(first["not_run"]) == list(mqar_suite.ROWS[1:])
+    assert first["not_run"]["mela"] == {"runs_done": 0, "runs_needed": len(QUICK.lrs) + len(QUICK.seeds) - 1}
+    second = mqar_suite.run_suite(QUICK, tmp_path, rows=("mlp_lm",), **quiet)
+    assert list(second["rows"]) == ["transformer_full", "mlp_lm"] and "mlp_lm" not in second["not_run"]
+    assert second["rows"]["transformer_full"] == first["rows"]["transformer_full"]
+    markdown = (tmp_path / "mqar.md").read_text()
+    for name in second["not_run"]:
+        assert markdown.count(f"| {name} |") == 3 and f"| {name} | - | not run (runs done 0 of 3) |" in markdown, name
+    assert {v["verdict"] for v in second["verdicts"] if v["hypothesis"] == "H6"} == {"not run"}

@@ -48,6 +48,47 @@ def headline(results: dict) -> list[str]:
         lines.append(f"| {name} | {row['best_lr']:g} | {_si(c['trainable_params'])} | {_si(c['train_flops_per_token'])} | "
                      f"{c['train_tokens_per_s']:,.0f} | {_si(c['state_bytes'])}B | " + " | ".join(cells)
                      + f" | {'; '.join(by_row.get(name, [])) or '-'} |")
+    lines += [f"| {name} | {not_run(results, name)} | " + " | ".join("-" for _ in range(5 + len(trained + past))) + " |"
+              for name in results.get("not_run", {})]
+    return lines
+
+
+def not_run(results: dict, name: str) -> str:
+    """A row of the suite with no finished row in the results, in words (its runs done so far)."""
+    counts = results["not_run"][name]
+    return f"not run (runs done {counts['runs_done']} of {counts['runs_needed']})"
+
+
+def stops(row: dict) -> str:
+    """Each seed's accuracy at its stop, the step and the reason ("non-finite" where it went so)."""
+    runs = [row["seeds"][k] for k in sorted(row["seeds"], key=int)]
+    return "; ".join(f"{r['seed']}: " + ("non-finite" if r["plateau_accuracy"] is None else f"{r['plateau_accuracy']:.2f}")
+                     + f" ({r['stop_step']}, {r['stop']})" for r in runs)
+
+
+def first_screen(results: dict) -> list[str]:
+    """The short plateau table (docs/leaderboard.md's first screen): per row of the suite, the
+    chosen lr, each seed's validation accuracy at its stop (step, reason), the median over seeds
+    of that accuracy, the training FLOPs to 0.8 (median over the seeds that reached it, and how
+    many did) and the test accuracy at the training length per key-value count (pooled over
+    seeds); rows not run say so."""
+    s = results["setting"]
+    trained = [task_key(kv, s["train_len"]) for kv in s["eval_kv"] if 4 * kv <= s["train_len"]]
+    lines = ["| row | lr | seed: validation acc. at stop (step, why) | median | train FLOPs to 0.8 (seeds) | "
+             + " | ".join(f"test {k.replace('_len', ' @')}" for k in trained) + " |",
+             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in trained) + " |"]
+    for name in [*results["rows"], *results.get("not_run", {})]:
+        if name not in results["rows"]:
+            lines.append(f"| {name} | - | {not_run(results, name)} | - | - | " + " | ".join("-" for _ in trained) + " |")
+            continue
+        row = results["rows"][name]
+        runs = list(row["seeds"].values())
+        finals = sorted(-1.0 if r["plateau_accuracy"] is None else r["plateau_accuracy"] for r in runs)
+        reached = sorted(r["reach"]["0.8"]["train_flops"] for r in runs if r["reach"]["0.8"] is not None)
+        to_08 = f"{_si(reached[(len(reached) - 1) // 2])} ({len(reached)} of {len(runs)})" if reached else f"- (0 of {len(runs)})"
+        median = finals[(len(finals) - 1) // 2]
+        lines.append(f"| {name} | {row['best_lr']:g} | {stops(row)} | {'non-finite' if median < 0 else f'{median:.2f}'} | "
+                     f"{to_08} | " + " | ".join(f"{results['summary'][name][k]['pooled']:.2f}" for k in trained) + " |")
     return lines
 
 
@@ -70,12 +111,12 @@ def plateau_table(results: dict) -> list[str]:
              "| --- | --- | --- | " + " | ".join("---" for _ in LEVELS) + " |"]
     for name, row in results["rows"].items():
         runs = [row["seeds"][k] for k in sorted(row["seeds"], key=int)]
-        stops = "; ".join(f"{r['seed']}: " + ("non-finite" if r["plateau_accuracy"] is None else f"{r['plateau_accuracy']:.2f}")
-                          + f" ({r['stop_step']}, {r['stop']})" for r in runs)
         reached = [", ".join("-" if r["reach"][str(level)] is None else
                              f"{r['reach'][str(level)]['step']}; {_si(r['reach'][str(level)]['train_flops'])}" for r in runs)
                    for level in LEVELS]
-        lines.append(f"| {name} | {row['best_lr']:g} | {stops} | " + " | ".join(reached) + " |")
+        lines.append(f"| {name} | {row['best_lr']:g} | {stops(row)} | " + " | ".join(reached) + " |")
+    lines += [f"| {name} | - | {not_run(results, name)} | " + " | ".join("-" for _ in LEVELS) + " |"
+              for name in results.get("not_run", {})]
     return lines
 
 
@@ -88,7 +129,7 @@ def markdown(results: dict) -> str:
              f"seed (drawn per seed), answered by each run's model as it stopped. "
              f"LR grid {results['lr_grid']}: {results['selection']}. Accuracy: share of queries answered right, "
              f"pooled (95% interval over seeds, then prompts); seeds. At floor (every row <= {results['floor']}): "
-             f"{', '.join(results['floor_tasks']) or 'none'}.", "", *headline(results), "",
+             f"{', '.join(results['floor_tasks']) or 'none'}.", "", *first_screen(results), "", *headline(results), "",
              "## Plateau: where each run stopped, and what reaching each level cost", "",
              "Training FLOPs = steps x batch x training length x the row's measured training FLOPs per token; "
              "the levels are validation accuracy, read at the evaluations (accuracy vs FLOPs: mqar_flops.png).", "",

@@ -75,7 +75,8 @@ class Setting:
     = mela_span (Mela's P and C; its decoder chunk in tokens); mela_cycles: Mela's H = L (the
     debug flavour's 2 cost 1.7x the step of 1 here, Mela's HMM being ~25x a Transformer++ step:
     1 to fit the CPU budget); steps, cap_factor, eval_every, plateau_window: the training
-    budget (module docstring)."""
+    budget (module docstring); row_seeds: (row, seed count) for rows given more seeds than
+    `seeds` (`seeds_of`)."""
 
     name: str
     width: int = 64
@@ -103,6 +104,13 @@ class Setting:
     cap_factor: int = 0
     eval_every: int = 225
     plateau_window: int = 10
+    row_seeds: tuple[tuple[str, int], ...] = ()
+
+    def seeds_of(self, name: str) -> tuple[int, ...]:
+        """Row `name`'s training seeds: `seeds`, or seeds 0 to n - 1 where `row_seeds` gives the
+        row n > len(seeds) (issue 48: >= 5 seeds for the rows whose verdict turns on the seed)."""
+        n = dict(self.row_seeds).get(name, 0)
+        return self.seeds if n <= len(self.seeds) else tuple(range(n))
 
     def __post_init__(self):
         if self.window >= self.train_len:
@@ -137,15 +145,19 @@ SETTINGS = {
     # Transformer++ solved it at lr 3e-3 after ~450 / 600 / 700+ steps on seeds 0 / 2 / 1 in a 700-step
     # trial (vocabulary 256 at length 64 needed twice the steps at twice the batch).
     "full": Setting("full"),
-    # Issue 48: the full shape trained to the plateau (cap 5,400 steps), 3 seeds.
-    "plateau32": Setting("plateau32", seeds=(0, 1, 2), cap_factor=6, eval_every=100),
+    # Issue 48: the full shape trained to the plateau (cap 5,400 steps), 3 seeds (5 for the rows whose verdict turned
+    # on the seed). Plateau window 20 evaluations = 2,000 flat steps (at both shapes; 10 before 2026-11-28T05:21:08Z:
+    # docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md, W1).
+    "plateau32": Setting("plateau32", seeds=(0, 1, 2), cap_factor=6, eval_every=100, plateau_window=20,
+                         row_seeds=(("mlp_lm", 5), ("titans_mac", 5), ("titans_mac_inputs", 5))),
     # Issue 48's second shape: length 128, 8 pairs (tested on 8 and 16, at 128 and 256), window and MAC
     # segment T/8 = 16, Mela's decoder chunk T/2 = 64 (P 32, C 2: the paper's chunk : length ratio), memory
     # chunks of 8, 5 seeds. The Transformer++'s steps: 1,300 (seed 0 at lr 3e-3 reached 0.99 there, 0.95 at 1,000; lr
-    # 1e-3 at 2,200; docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md, HT1), so the cap is 7,800.
+    # 1e-3 at 2,200; docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md, HT1), so the cap is 7,800. Plateau window
+    # 20 evaluations (2,000 steps; 10 cut delayed phase changes here: HYPOTHESES.md, W1).
     "plateau128": Setting("plateau128", train_len=128, window=16, train_kv=(8,), eval_kv=(8, 16), eval_lengths=(128, 256),
                           steps=1300, seeds=(0, 1, 2, 3, 4), mela_patch=32, mela_chunk=2, mela_span=64, cap_factor=6,
-                          eval_every=100),
+                          eval_every=100, plateau_window=20),
     # Seconds: the form the tests run (the numbers mean nothing); trains to a plateau of 2 evaluations, cap 4 steps.
     "quick": Setting("quick", width=16, layers=2, heads=2, vocab=32, train_len=16, window=8, train_kv=(2,), eval_kv=(2,),
                      eval_lengths=(16, 32), steps=2, batch_size=4, lrs=(1e-3, 3e-3), seeds=(0, 1), val_prompts=4,
@@ -391,11 +403,12 @@ def state_bytes_of(name: str, s: Setting, model: torch.nn.Module) -> int:
 
 def trained(name: str, s: Setting, seed: int, lr: float, folder: Path, log=print) -> dict:
     """One run's record (`train_run`) with its test items ("tasks"), read from
-    folder/lr<lr>_seed<seed>.json when that file holds a run of this setting (its seed and lr
-    lists aside, so adding seeds reuses the runs done), else trained and written there as it
-    ends."""
+    folder/lr<lr>_seed<seed>.json when that file holds a run of this setting (its seed lists and lr
+    grid aside, so adding seeds reuses the runs done), else trained and written there as it
+    ends, replacing it. Every other field is the key: a run made under another plateau window,
+    cap or shape is trained again, never reused."""
     path = folder / f"lr{lr:g}_seed{seed}.json"
-    setting = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(s).items() if k not in ("seeds", "lrs")}))
+    setting = run_key(s)
     if path.is_file() and json.loads(path.read_text())["setting"] == setting:
         return json.loads(path.read_text())["record"]
     model, record = train_run(name, s, seed, lr)
@@ -407,12 +420,26 @@ def trained(name: str, s: Setting, seed: int, lr: float, folder: Path, log=print
     return record
 
 
+def run_key(s: Setting) -> dict:
+    """What a run file's "setting" must equal for `trained` to reuse it: every field of `s` but the
+    seed lists and the lr grid, as the JSON holds it."""
+    return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(s).items() if k not in ("seeds", "lrs", "row_seeds")}))
+
+
+def runs_done(name: str, s: Setting, folder: Path) -> tuple[int, int]:
+    """(runs of row `name` under `folder` that `trained` would reuse, runs the row needs: its lr
+    sweep and its other seeds)."""
+    key = run_key(s)
+    done = sum(1 for path in folder.glob("lr*_seed*.json") if json.loads(path.read_text())["setting"] == key)
+    return done, len(s.lrs) + len(s.seeds_of(name)) - 1
+
+
 def run_row(name: str, s: Setting, folder: Path, log=print) -> dict:
     """A row's sweep, its seeds at the chosen rate (each run resumable: `trained` under
     `folder`), their test items, its cost (on the untrained model: counts and state sizes do
     not depend on the weights) and each run's steps and FLOPs to the accuracy levels
     (mqar_verdicts.reach)."""
-    first, rest = s.seeds[0], s.seeds[1:]
+    first, rest = s.seeds_of(name)[0], s.seeds_of(name)[1:]
     torch.manual_seed(first)
     row_cost = cost(name, s, build_row(name, s))
     sweep = [trained(name, s, first, lr, folder, log) for lr in s.lrs]
@@ -434,15 +461,18 @@ def run_row(name: str, s: Setting, folder: Path, log=print) -> dict:
 # --- the suite ---------------------------------------------------------------------------
 
 def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) -> dict:
-    """Every row (a finished row's DIR/rows/<row>.json is reused, a finished run's
+    """The rows `rows` (a finished row's DIR/rows/<row>.json is reused, a finished run's
     DIR/runs/<row>/*.json too), then DIR/mqar.json, DIR/mqar.md, and (with matplotlib)
-    DIR/mqar_accuracy.png and DIR/mqar_flops.png."""
+    DIR/mqar_accuracy.png and DIR/mqar_flops.png. The report holds every row of ROWS finished
+    under this setting in DIR, asked for or not (so batches of rows add up); each other row is
+    listed in the JSON's "not_run" with the runs done and needed (`runs_done`), never dropped."""
     torch.set_flush_denormal(True)
     (out / "rows").mkdir(parents=True, exist_ok=True)
     results = {"suite": "mqar", "date": DATE, "setting": dataclasses.asdict(s), "floor": FLOOR,
                "resamples": RESAMPLES, "lr_grid": list(s.lrs),
                "selection": f"lr swept on seed {s.seeds[0]}, best by validation accuracy ({s.val_prompts} held-out "
-                            f"prompts per training task at length {s.train_len}); seeds {list(s.seeds[1:])} at that lr",
+                            f"prompts per training task at length {s.train_len}); seeds {list(s.seeds[1:])} at that lr"
+                            + "".join(f"; {row}: seeds 0-{n - 1}" for row, n in s.row_seeds if n > len(s.seeds)),
                "hypotheses": [dataclasses.asdict(h) for h in HYPOTHESES], "rows": {}}
     results = json.loads(json.dumps(results))  # as the JSON holds it (tuples as lists), so a rerun compares like with like
     start = time.perf_counter()
@@ -454,6 +484,14 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) ->
             continue
         results["rows"][name] = run_row(name, s, out / "runs" / name, log)
         path.write_text(json.dumps({"setting": results["setting"], "row": results["rows"][name]}))
+    for name in ROWS:  # rows finished here by earlier batches
+        path = out / "rows" / f"{name}.json"
+        if name not in results["rows"] and path.is_file() and json.loads(path.read_text()).get("setting") == results["setting"]:
+            results["rows"][name] = json.loads(path.read_text())["row"]
+            log(f"{name}: included from {path}")
+    results["rows"] = {name: results["rows"][name] for name in ROWS if name in results["rows"]}
+    results["not_run"] = {name: dict(zip(("runs_done", "runs_needed"), runs_done(name, s, out / "runs" / name)))
+                          for name in ROWS if name not in results["rows"]}
     results["wall_seconds"] = time.perf_counter() - start
     table = summaries(results)
     results["summary"] = table
