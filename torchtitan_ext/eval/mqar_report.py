@@ -20,7 +20,7 @@ from torchtitan_ext.eval.stats import format_summary
 def _si(value: float | None) -> str:
     if value is None:
         return "-"
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(value) >= scale:
             return f"{value / scale:.2f}{unit}"
     return f"{value:.0f}"
