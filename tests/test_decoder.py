@@ -80,8 +80,13 @@ def reference_block(w: dict, x: torch.Tensor, positions: list[int], layout: str,
     return h + linear("feed_forward.w2", inner)
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_block_equals_its_written_out_definition_in_float64(case):
+def test_the_block_equals_its_written_out_definition_in_float64(case, traced, monkeypatch):
+    """Eagerly, and on the path torch.compile traces (q/k/v as one matmul: `Attention.project`)."""
+    import models.layers.decoder
+
+    monkeypatch.setattr(models.layers.decoder, "compiling", lambda: traced)
     options = dict(CASES[case])
     packed, layout, ffn = options.pop("packed"), options["rope"], options.get("ffn", "swiglu")
     torch.manual_seed(0)

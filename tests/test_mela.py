@@ -350,12 +350,12 @@ def test_the_default_memory_step_keeps_float32_near_float64_and_the_unit_step_do
     assert gaps[0.1] < 1e-4 and gaps[1.0] > 1e-2, gaps
 
 
-def test_hmm_memory_blocks_compile_fullgraph_and_match_eager():
-    """Training with compile on compiles each HMM memory block with fullgraph=True
+def test_hmm_modules_compile_fullgraph_and_match_eager():
+    """Training with compile on compiles the HMM's L- and H-module with fullgraph=True
     (torchtitan_ext/families/mela.py `compile_hmm`; aot_eager here): the recursion's grad-off
     and grad-on cycles and fresh / carried states fit the recompile limit, and the step's
     logits and gradients equal the eager model's."""
-    from torchtitan_ext.families.mela import compile_hmm, hmm_blocks
+    from torchtitan_ext.families.mela import compile_hmm, hmm_modules
 
     model, x = small_model(), tokens(2, 32)
     runs = []
@@ -366,7 +366,7 @@ def test_hmm_memory_blocks_compile_fullgraph_and_match_eager():
         logits = model(x)
         logits.float().square().mean().backward()
         runs.append((logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-    assert all(model.get_submodule(name)._compiled_call_impl is not None for name in hmm_blocks(model))
+    assert all(model.get_submodule(name)._compiled_call_impl is not None for name in hmm_modules(model))
     (eager, eager_grads), (compiled, compiled_grads) = runs
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     assert len(compiled_grads) == len(eager_grads)

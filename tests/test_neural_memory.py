@@ -297,6 +297,47 @@ def test_output_depends_on_what_was_written():
     assert (outputs[0] - outputs[1]).abs().max() > 1e-3
 
 
+def test_the_traced_conv_as_shifted_products_equals_the_eager_conv1d(monkeypatch):
+    """`NeuralMemory._convolve` under torch.compile (K shifted products) against its eager
+    conv1d, after a history and over a slice of the conv's channels (float64)."""
+    from models.memory import neural_memory
+
+    memory = make_memory(chunk_size=4)
+    with torch.no_grad():
+        memory.conv.weight.normal_()
+    projected, history = torch.randn(2, 7, 12), torch.randn(2, memory.cfg.conv_kernel - 1, 12)
+    runs = []
+    for compiling in (False, True):
+        monkeypatch.setattr(neural_memory, "compiling", lambda: compiling)
+        runs.append(memory._convolve(projected, history, slice(12, 24)))
+    (eager, rest), (shifted, rest_shifted) = runs
+    torch.testing.assert_close(shifted, eager, rtol=1e-12, atol=1e-12)
+    assert torch.equal(rest, rest_shifted) and torch.equal(rest, projected[:, -3:])
+    assert (eager - projected).abs().max() > 0.1
+
+
+def test_the_traced_single_input_projection_equals_the_two_eager_ones(monkeypatch):
+    """`NeuralMemory.forward` on the path torch.compile traces (q/k/v and gate projections as
+    one matmul, `write_projection`) against its eager path: outputs, state and gradients (float64)."""
+    from models.memory import neural_memory
+
+    memory = make_memory(chunk_size=4)
+    with torch.no_grad():
+        memory.to_gates.bias.normal_()
+    x = torch.randn(2, 10, 12, requires_grad=True)
+    runs = []
+    for traced in (False, True):
+        monkeypatch.setattr(neural_memory, "compiling", lambda: traced)
+        memory.zero_grad()
+        x.grad = None
+        y, state = memory(x)
+        (y.sin().sum() + sum(w.square().sum() for w in state.weights)).backward()
+        runs.append([y.detach(), *(w.detach() for w in state.weights), x.grad.clone(),
+                     *(p.grad.clone() for p in memory.parameters())])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_explicit_gradient_equals_autograd():
     g = torch.Generator().manual_seed(3)
     weights = [torch.randn(2, 2, 4, 6, generator=g, requires_grad=True), torch.randn(2, 2, 6, 4, generator=g, requires_grad=True)]

@@ -47,13 +47,16 @@ def test_changing_token_t_never_changes_earlier_logits(variant, options):
         assert (out[:, t:] - base[:, t:]).abs().max() > 1e-8
 
 
-def test_mac_memory_writes_the_attention_output_or_with_mac_write_inputs_the_normed_segment():
+def test_mac_memory_writes_the_attention_output_or_with_mac_write_inputs_the_normed_segment(monkeypatch):
     """Eq. 2.50: MAC's memory takes the segment's attention output y; the "inputs" ablation its
-    normed inputs. Each is what the memory's forward receives, segment by segment; the
-    ablation stays causal, and mac_write is refused for the other variants."""
+    normed inputs. Each is what the memory's forward receives, segment by segment, in the plain
+    reference (`_mac_per_segment`, which `_mac` equals: the next test); the ablation stays
+    causal, and mac_write is refused for the other variants."""
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
     for write in ("attention", "inputs"):
         model = tiny("mac", mac_write=write)
+        for block in model.layers.values():
+            monkeypatch.setattr(block, "_mac", block._mac_per_segment)
         block, seen = model.layers["0"], {"memory": [], "attention": [], "norm": []}
         block.memory.register_forward_hook(lambda m, args, out: seen["memory"].append(args[0]))
         block.attention.register_forward_hook(lambda m, args, out: seen["attention"].append(out))
@@ -72,6 +75,35 @@ def test_mac_memory_writes_the_attention_output_or_with_mac_write_inputs_the_nor
         assert (out[:, 12:] - base[:, 12:]).abs().max() > 1e-8
     with pytest.raises(ValueError, match="MAC only"):
         TitansConfig(variant="mag", mac_write="inputs")
+
+
+@pytest.mark.parametrize("write", ["attention", "inputs"])
+@pytest.mark.parametrize("options", [{}, NS_CHUNK, dict(output_gate=False, output_norm=False, conv_kernel=0),
+                                     dict(output_proj=False, expansion=2)],
+                         ids=["paper", "ns_chunk", "plain_read", "no_output_proj"])
+def test_hoisted_mac_equals_the_per_segment_reference(write, options):
+    """`TitansBlock._mac` (state-independent work out of the segment loop, chained projections
+    folded) against `_mac_per_segment` in float64: outputs, the new memory state and every
+    gradient, over 3.6 segments and again continuing that state (a later call, RoPE offset)."""
+    model = tiny("mac", mac_write=write, **options)
+    block = model.layers["0"]
+    with torch.no_grad():
+        block.attention.persistent.normal_()
+    x = torch.randn(2, 29, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    runs = []
+    for mac in (block._mac, block._mac_per_segment):
+        model.zero_grad()
+        x.grad = None
+        out, state = mac(x, None, 0)
+        later, state = mac(x[:, :16].flip(1), state, 29)  # a second call from the first one's state
+        (out.sin().sum() + later.cos().sum() + sum(w.square().sum() for w in state.weights)).backward()
+        grads = {name: p.grad.clone() for name, p in block.named_parameters() if p.grad is not None}
+        runs.append((out.detach(), later.detach(), [t.detach() for t in state.weights + state.momentum], grads, x.grad))
+    (out, later, state, grads, x_grad), (out_ref, later_ref, state_ref, grads_ref, x_grad_ref) = runs
+    assert grads.keys() == grads_ref.keys() and len(grads) >= 10
+    pairs = [(out, out_ref), (later, later_ref), *zip(state, state_ref), (x_grad, x_grad_ref)]
+    for a, b in pairs + [(grads[name], grads_ref[name]) for name in grads]:  # folded projections: rounding only
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10 * max(1.0, b.abs().max().item()))
 
 
 def previous_token_gaps(model: TitansLM, positions: range) -> list[float]:

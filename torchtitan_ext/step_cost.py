@@ -47,8 +47,8 @@ another branch (each switch is undone after the step):
   unfused math path). F.rms_norm (nn.RMSNorm) runs as `_fused_rms_norm`, torch's one-kernel
   CUDA RMSNorm.
 - `models.layers.attention.masked_attention` (Titans' attention) takes its CUDA branch,
-  eager flex attention, which torch runs unfused: `create_block_mask` evaluated densely,
-  then torch's own `math_attention` (scores materialised in fp32, where-mask, logsumexp,
+  eager flex attention, which torch runs unfused: `create_block_mask` evaluated densely
+  (once per shape where the model builds it once: `flex_block_mask` builds on meta too), then torch's own `math_attention` (scores materialised in fp32, where-mask, logsumexp,
   softmax, @ v), differentiated by autograd (torch's eager backward recomputes the scores
   instead: the op count is close, the saved bytes differ). Its FLOPs are the dense matmuls'
   (no block skipping), its matmuls autocast to bf16 (the flex HOP falls through the
@@ -707,7 +707,7 @@ def _eager_flex_attention(rec: _Recorder, compiled_region: bool):
     """`models.layers.attention.masked_attention` as on CUDA: flex attention, eager (torch's
     unfused math path) or, inside a compiled region, one fused kernel."""
 
-    def attention(q, k, v, mask_mod, scale=None):
+    def attention(q, k, v, mask_mod, scale=None, block_mask=None):
         from torch._higher_order_ops.flex_attention import math_attention
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -722,8 +722,9 @@ def _eager_flex_attention(rec: _Recorder, compiled_region: bool):
             with rec.attention(density, "attention.py:masked_attention (compiled flex)"):
                 return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[0]
         with rec.attention(label="attention.py:masked_attention (eager flex)"):
-            block_mask = create_block_mask(lambda b, h, qi, ki: mask_mod(qi, ki), None, None, q.shape[2], k.shape[2],
-                                           device=q.device)
+            if block_mask is None:
+                block_mask = create_block_mask(lambda b, h, qi, ki: mask_mod(qi, ki), None, None, q.shape[2],
+                                               k.shape[2], device=q.device)
             out, _, _ = math_attention(q, k, v, lambda score, b, h, m, n: score, block_mask.as_tuple(), scale, {})
         return out
 
@@ -754,6 +755,7 @@ def _cuda_paths(rec: _Recorder):
     """The CUDA branches the meta device would not take (module docstring)."""
     import kernels.token_step
     import models.layers.attention
+    import models.layers.tracing
 
     def full_precision(device):
         return rec.no_autocast()
@@ -762,6 +764,8 @@ def _cuda_paths(rec: _Recorder):
         stack.enter_context(_rebound(kernels.token_step.full_precision, full_precision))
         stack.enter_context(_rebound(models.layers.attention.masked_attention,
                                      _eager_flex_attention(rec, rec.compiled)))
+        stack.enter_context(_rebound(models.layers.attention.flex_block_mask, models.layers.attention._block_mask))
+        stack.enter_context(_rebound(models.layers.tracing.compiling, lambda: rec.tag_now().compiled))
         yield
 
 

@@ -66,24 +66,41 @@ def document_causal_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def _flex_masked_attention(q, k, v, mask_mod, scale, enable_gqa):
-    """Flex-attention path (GPU): the mask as a block-sparse BlockMask."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _block_mask(mask_mod, q_len: int, k_len: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    block_mask = create_block_mask(lambda b, h, qi, ki: mask_mod(qi, ki), None, None, q.shape[2], k.shape[2], device=q.device)
+    return create_block_mask(lambda b, h, qi, ki: mask_mod(qi, ki), None, None, q_len, k_len, device=device)
+
+
+def flex_block_mask(mask_mod, q_len: int, k_len: int, device):
+    """`mask_mod`'s block-sparse mask for `masked_attention` on CUDA (None elsewhere, where the
+    dense mask is cheap): built once and passed to every call of the same shape, so a loop
+    over equal segments neither rebuilds it nor changes its structure between steps (CUDA
+    graphs)."""
+    return _block_mask(mask_mod, q_len, k_len, device) if torch.device(device).type == "cuda" else None
+
+
+def _flex_masked_attention(q, k, v, mask_mod, scale, enable_gqa, block_mask=None):
+    """Flex-attention path (GPU): the mask as a block-sparse BlockMask (`block_mask`, or built here)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if block_mask is None:
+        block_mask = _block_mask(mask_mod, q.shape[2], k.shape[2], q.device)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, scale: float | None = None) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, scale: float | None = None,
+                     block_mask=None) -> torch.Tensor:
     """Attention under any mask. q (B, H, Lq, D), k/v (B, Hkv, Lk, D) -> (B, H, Lq, D).
 
     `mask_mod(q_idx, kv_idx)` returns True where a query may attend a key; it is written
-    once and evaluated two ways: as a block-sparse flex-attention mask on CUDA, and as a
-    dense (Lq, Lk) mask for SDPA elsewhere (FlexAttention has no CPU backward).
+    once and evaluated two ways: as a block-sparse flex-attention mask on CUDA (`block_mask`
+    when given: `flex_block_mask(mask_mod, Lq, Lk)`), and as a dense (Lq, Lk) mask for SDPA
+    elsewhere (FlexAttention has no CPU backward).
     """
     enable_gqa = q.shape[1] != k.shape[1]
     if q.is_cuda:
-        return _flex_masked_attention(q, k, v, mask_mod, scale, enable_gqa)
+        return _flex_masked_attention(q, k, v, mask_mod, scale, enable_gqa, block_mask)
     q_idx = torch.arange(q.shape[2], device=q.device)[:, None]
     kv_idx = torch.arange(k.shape[2], device=q.device)[None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_mod(q_idx, kv_idx), scale=scale, enable_gqa=enable_gqa)

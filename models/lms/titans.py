@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.layers.diagnostics import recording_on
-from models.layers.attention import masked_attention
+from models.layers.attention import flex_block_mask, masked_attention
 from models.layers.ffn import SwiGLU, swiglu_hidden
 from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
 from models.layers.rope import apply_rope, rope_angles
@@ -205,15 +206,20 @@ class PersistentAttention(nn.Module):
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim)).transpose(1, 2)
 
+    def prefix_heads(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The persistent tokens' keys and values (batch, H, n_persistent, head_dim), not rotated."""
+        k, v = (self._heads(linear(self.persistent)[None]).expand(batch, -1, -1, -1) for linear in (self.wk, self.wv))
+        return k, v
+
     def forward(self, x: torch.Tensor, x_positions: torch.Tensor, kv: torch.Tensor, kv_positions: torch.Tensor, mask_mod):
         """x (B, Lq, dim) queries; kv (B, Lk, dim) keys/values after the persistent prefix;
         positions (Lq,), (Lk,) for RoPE."""
         hd, theta = self.cfg.head_dim, self.cfg.rope_theta
         q = apply_rope(self._heads(self.wq(x)), *rope_angles(x_positions[None], hd, theta))
         k = apply_rope(self._heads(self.wk(kv)), *rope_angles(kv_positions[None], hd, theta))
-        prefix = self.persistent.expand(x.shape[0], -1, -1)
-        k = torch.cat([self._heads(self.wk(prefix)), k], 2)
-        v = torch.cat([self._heads(self.wv(prefix)), self._heads(self.wv(kv))], 2)
+        prefix_k, prefix_v = self.prefix_heads(x.shape[0])
+        k = torch.cat([prefix_k, k], 2)
+        v = torch.cat([prefix_v, self._heads(self.wv(kv))], 2)
         out = masked_attention(q, k, v, mask_mod)
         return self.wo(out.transpose(1, 2).flatten(-2))
 
@@ -254,6 +260,68 @@ class TitansBlock(nn.Module):
             self.last_memory_share = memory_part.detach().norm() / total.detach().norm().clamp_min(1e-12)
 
     def _mac(self, x: torch.Tensor, state: MemoryState | None, seen: int):
+        """MAC over the segments of x (B, T, dim) from `state` (None: fresh) after `seen` tokens
+        -> (x + Gate(y, m) (B, T, dim), new memory state). The same function as `_mac_per_segment`
+        (the module docstring's order, segment by segment), with everything that does not
+        depend on the memory state hoisted out of the segment loop, so that each segment runs
+        only the chain through the state: the read r = M_{s-1}*(q) (its queries, their conv and
+        output gate computed for all segments at once), the keys and values of r, attention,
+        the write's projections, and the write. Linear maps that follow each other in the
+        chain act as one matrix (the same function; rounding differs): the read's output
+        projection folds into the attention's key/value projections of r, and the attention's
+        output projection into the memory's q/k/v and gate projections of y = W_o a. The
+        attention output y, the second read's output and the gate run once over all segments.
+        Block masks (flex attention, CUDA) are built once per segment length."""
+        cfg, memory, attention = self.cfg, self.memory, self.attention
+        (batch, length, _), segment, n_prefix = x.shape, cfg.window, cfg.n_persistent
+        if state is None:
+            state = memory.empty_state(batch, device=x.device, dtype=x.dtype)
+        h = self.memory_norm(x)
+        positions = torch.arange(seen, seen + length, device=x.device)
+        cos, sin = rope_angles(positions[None], cfg.head_dim, cfg.rope_theta)
+        q = apply_rope(attention._heads(attention.wq(h)), cos, sin)
+        keys = apply_rope(attention._heads(attention.wk(h)), cos, sin)
+        values = attention._heads(attention.wv(h))
+        prefix_k, prefix_v = attention.prefix_heads(batch)
+        read_q, read_gate = memory.read_queries(h, segment).to(state.weights[0].dtype), memory.output_gate(h)
+        read_kv = torch.cat([attention.wk.weight, attention.wv.weight])
+        if memory.cfg.output_proj:
+            read_kv = read_kv @ memory.out.weight
+        write_weight, write_bias = memory.write_projection()
+        if cfg.mac_write == "attention":
+            write_weight = write_weight @ attention.wo.weight
+        else:
+            written = F.linear(h, write_weight, write_bias)
+        masks = {}
+        attended, reads = [], []
+        for start in range(0, length, segment):
+            part = slice(start, start + segment)
+            size = min(segment, length - start)
+            if size not in masks:
+                mask_mod = mac_mask(n_prefix, size)
+                masks[size] = mask_mod, flex_block_mask(mask_mod, size, n_prefix + 2 * size, x.device)
+            r = memory.output_heads(memory.read(read_q[:, :, part], state), x.dtype,
+                                    None if read_gate is None else read_gate[:, :, part])
+            r_keys, r_values = F.linear(r, read_kv).chunk(2, -1)
+            k = torch.cat([prefix_k, apply_rope(attention._heads(r_keys), cos[:, :, part], sin[:, :, part]),
+                           keys[:, :, part]], 2)
+            v = torch.cat([prefix_v, attention._heads(r_values), values[:, :, part]], 2)
+            a = masked_attention(q[:, :, part], k, v, masks[size][0], block_mask=masks[size][1])
+            a = a.transpose(1, 2).flatten(-2)
+            projected = F.linear(a, write_weight, write_bias) if cfg.mac_write == "attention" else written[:, part]
+            m, state = memory.write(*projected.split([memory.to_qkv.out_features, memory.to_gates.out_features], -1),
+                                    state)
+            attended.append(a)
+            reads.append(m)
+        y = attention.wo(torch.cat(attended, 1))
+        m = memory._output(torch.cat(reads, 2), y if cfg.mac_write == "attention" else h)
+        out = self.gate(y, m)
+        self._note_share(self.gate.last_memory_part, out)
+        return x + out, state
+
+    def _mac_per_segment(self, x: torch.Tensor, state: MemoryState | None, seen: int):
+        """`_mac`'s plain reference: each segment in the module docstring's order, every
+        projection applied as written (tests check `_mac` against it)."""
         cfg, outputs = self.cfg, []
         for start in range(0, x.shape[1], cfg.window):
             segment = x[:, start : start + cfg.window]
@@ -265,9 +333,7 @@ class TitansBlock(nn.Module):
             y = self.attention(h, positions, torch.cat([retrieved, h], 1), torch.cat([positions, positions]),
                                mac_mask(cfg.n_persistent, segment.shape[1]))
             m, state = self.memory(y if cfg.mac_write == "attention" else h, state)
-            out = self.gate(y, m)
-            outputs.append(segment + out)
-        self._note_share(self.gate.last_memory_part, out)
+            outputs.append(segment + self.gate(y, m))
         return torch.cat(outputs, 1), state
 
     def step(self, x: torch.Tensor, state: BlockState | None = None):

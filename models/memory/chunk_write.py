@@ -98,7 +98,7 @@ def chunk_gates(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tens
     to_end = keep[..., -1, :]  # [t] = prod_{t<j<=C} (1 - alpha_j)
     carried = (to_end[..., 1:] * eta[..., 1:, 0]).sum(-1)  # sum_t R_t E_t: the old momentum's share in M_C
     momentum_weights = theta * eta[..., -1, 1:]
-    weight_weights = theta * (to_end[..., None, 1:] @ eta[..., 1:, 1:]).squeeze(-2)
+    weight_weights = theta * (to_end[..., 1:, None] * eta[..., 1:, 1:]).sum(-2)  # a reduction, not a matmul: fuses
     token_weights = -2 * torch.stack([weight_weights, momentum_weights], -1)
     mix = torch.stack([keep[..., -1, 0], carried, torch.zeros_like(carried), eta[..., -1, 0]], -1)
     return token_weights, mix.unflatten(-1, (2, 2))

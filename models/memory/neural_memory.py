@@ -159,6 +159,7 @@ from kernels import (FUSED_TOKEN_STEP_BACKENDS, token_chunk_step, token_step_bac
                      token_step_refusal)
 from kernels.token_step import AUTOCAST_DEVICE_TYPES
 from models.layers.diagnostics import recording_on
+from models.layers.tracing import compiling
 from kernels.whole_sequence import refusal as whole_sequence_refusal
 from kernels.whole_sequence import whole_sequence_memory
 from models.memory.chunk_write import (associative_grads, chunk_gates, clip_surprise, mlp_forward, surprise_limit,
@@ -536,41 +537,71 @@ class NeuralMemory(nn.Module):
 
     def _convolve(self, projected: torch.Tensor, history: torch.Tensor, channels: slice):
         """Causal depthwise conv of projected (B, T, c) after history (B, K-1, c) over the
-        conv's `channels`. Returns (conved (B, T, c), the last K-1 inputs)."""
+        conv's `channels`. Returns (conved (B, T, c), the last K-1 inputs). Traced by
+        torch.compile it is written as K shifted products (pointwise: they fuse with the ops
+        around them, where a depthwise convolution is a kernel of its own); eagerly, one conv1d."""
         kernel = self.cfg.conv_kernel
         if not kernel:
             return projected, history
         padded = torch.cat([history.to(projected.dtype), projected], 1)
+        rest = padded[:, padded.shape[1] - (kernel - 1):]
+        if compiling():
+            weight, length = self.conv.weight[channels, 0], projected.shape[1]
+            conved = sum(padded[:, j : j + length] * weight[:, j] for j in range(kernel))
+            return conved.to(projected.dtype), rest
         conved = F.conv1d(padded.transpose(1, 2), self.conv.weight[channels], groups=projected.shape[-1])
-        return conved.transpose(1, 2), padded[:, padded.shape[1] - (kernel - 1):]
+        return conved.transpose(1, 2), rest
 
     def _query_heads(self, q: torch.Tensor) -> torch.Tensor:
         q = self._heads(q)
         return F.normalize(F.silu(q), dim=-1) if self.cfg.qk_norm else q
 
-    def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Read y (B, H, T, d) -> (B, T, dim): per-head norm, gate from the input x, projection."""
-        y = y.to(x.dtype)
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The output gate from the memory's input x (B, T, dim): (B, H, T, 1), None without one."""
+        return torch.sigmoid(self.to_out_gate(x)).transpose(1, 2)[..., None] if self.cfg.output_gate else None
+
+    def output_heads(self, y: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None) -> torch.Tensor:
+        """Read y (B, H, T, d) -> (B, T, H * d) in `dtype`: per-head norm, then `gate`
+        (`output_gate`, or None), before the output projection."""
+        y = y.to(dtype)
         if self.cfg.output_norm:
             y = self.out_norm(y)
-        if self.cfg.output_gate:
-            y = y * torch.sigmoid(self.to_out_gate(x)).transpose(1, 2)[..., None]
-        y = y.transpose(1, 2).flatten(-2)
+        if gate is not None:
+            y = y * gate
+        return y.transpose(1, 2).flatten(-2)
+
+    def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Read y (B, H, T, d) -> (B, T, dim): per-head norm, gate from the input x, projection."""
+        y = self.output_heads(y, x.dtype, self.output_gate(x))
         return self.out(y) if self.cfg.output_proj else y
+
+    def read_queries(self, x: torch.Tensor, segment: int | None = None) -> torch.Tensor:
+        """Read-only queries of x (B, T, dim) -> (B, H, T, d): projection, conv, norm. The
+        conv starts from zero history at each call, or at every `segment` tokens when given
+        (as one call per segment would)."""
+        inner = self.cfg.n_heads * self.cfg.head_dim
+        q = F.linear(x, self.to_qkv.weight[:inner])
+        length = q.shape[1]
+        if segment is not None and length > segment:  # one row per segment, zero-padded to whole segments
+            q = F.pad(q, (0, 0, 0, -length % segment)).unflatten(1, (-1, segment)).flatten(0, 1)
+        q, _ = self._convolve(q, q.new_zeros(q.shape[0], max(self.cfg.conv_kernel - 1, 0), inner), slice(0, inner))
+        q = q.reshape(x.shape[0], -1, inner)[:, :length]
+        return self._query_heads(q)
+
+    def read(self, q: torch.Tensor, state: MemoryState) -> torch.Tensor:
+        """M*(q) with the state's current weights (thesis eq. 2.41): q (B, H, T, d) -> (B, H, T, d)
+        in the state dtype."""
+        return mlp_forward(state.weights, q.to(state.weights[0].dtype), self.cfg.residual)[0]
 
     def retrieve(self, x: torch.Tensor, state: MemoryState) -> torch.Tensor:
         """Read without writing: M*(q_t) with the state's current weights (thesis eq. 2.41).
         The queries' conv starts from zero history at each call (module docstring)."""
-        inner = self.cfg.n_heads * self.cfg.head_dim
-        q = F.linear(x, self.to_qkv.weight[:inner])
-        q, _ = self._convolve(q, q.new_zeros(q.shape[0], max(self.cfg.conv_kernel - 1, 0), inner), slice(0, inner))
-        y, _ = mlp_forward(state.weights, self._query_heads(q).to(state.weights[0].dtype), self.cfg.residual)
-        return self._output(y, x)
+        return self._output(self.read(self.read_queries(x), state), x)
 
-    def _gates(self, x: torch.Tensor):
-        """theta, log eta, log(1 - alpha), each (B, H, T), in float32 at least."""
+    def _gates(self, logits: torch.Tensor):
+        """Gate logits (B, T, 3 H) (`to_gates`) -> theta, log eta, log(1 - alpha), each (B, H, T),
+        in float32 at least."""
         cfg = self.cfg
-        logits = self.to_gates(x)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).transpose(1, 2).unflatten(1, (3, cfg.n_heads))
         theta_logit, eta_logit, alpha_logit = logits.unbind(1)
         theta = cfg.max_lr * torch.sigmoid(theta_logit)
@@ -578,17 +609,18 @@ class NeuralMemory(nn.Module):
         log_keep = F.logsigmoid(-(alpha_logit + FORGET_LOGIT_OFFSET)) if cfg.forget else torch.zeros_like(alpha_logit)
         return theta, log_eta, log_keep
 
-    def forward(self, x: torch.Tensor, state: MemoryState | None = None):
+    def write(self, qkv: torch.Tensor, gate_logits: torch.Tensor, state: MemoryState):
+        """Write a stream and read it (the chunk rule of `chunked_memory`) from its projections:
+        qkv (B, T, 3 H d) (`to_qkv`) and gate_logits (B, T, 3 H) (`to_gates`). Returns the reads
+        y (B, H, T, d) in the state dtype, before `_output`, and the new state."""
         cfg = self.cfg
-        if state is None:
-            state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
-        qkv, conv = self._convolve(self.to_qkv(x), state.conv, slice(None))
+        qkv, conv = self._convolve(qkv, state.conv, slice(None))
         q, k, v = qkv.chunk(3, -1)
         q, k, v = self._query_heads(q), self._query_heads(k), self._heads(v)
         if cfg.value_silu:
             v = F.silu(v)
         dtype, start_weights = state.weights[0].dtype, state.weights
-        new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(x)))
+        new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(gate_logits)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
         rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale,
                           cfg.residual, cfg.surprise_bound, cfg.whole_sequence)
@@ -596,7 +628,28 @@ class NeuralMemory(nn.Module):
                                                  cfg.compiled_chunk_step, cfg.checkpoint_chunks)
         if recording_on():
             self._note_stats(start_weights, state, new[2:], clipped_share)
-        return self._output(y, x), state._replace(conv=conv)
+        return y, state._replace(conv=conv)
+
+    def write_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`to_qkv` and `to_gates` stacked: weight (3 H d + 3 H, dim), bias (3 H d + 3 H,) (zero
+        for q/k/v). Its output splits at 3 H d into `write`'s two inputs."""
+        bias = self.to_gates.bias
+        return (torch.cat([self.to_qkv.weight, self.to_gates.weight]),
+                torch.cat([bias.new_zeros(self.to_qkv.out_features), bias]))
+
+    def forward(self, x: torch.Tensor, state: MemoryState | None = None):
+        """x (B, T, dim) written and read from `state` (None: fresh) -> (y (B, T, dim), new state).
+        Traced by torch.compile, the two input projections run as one matmul
+        (`write_projection`; the same function)."""
+        if state is None:
+            state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
+        if compiling():
+            projected = F.linear(x, *self.write_projection())
+            qkv, gate_logits = projected.split([self.to_qkv.out_features, self.to_gates.out_features], -1)
+        else:
+            qkv, gate_logits = self.to_qkv(x), self.to_gates(x)
+        y, state = self.write(qkv, gate_logits, state)
+        return self._output(y, x), state
 
     def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor | None) -> None:
         """Diagnostics of the last forward recorded (`models.layers.diagnostics.recording`; detached

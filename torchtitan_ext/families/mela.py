@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.lms.mela import Mela, MelaConfig, MemoryBlock, mela_diagnostics, mela_memory
+from models.lms.mela import Mela, MelaConfig, MemoryModule, mela_diagnostics, mela_memory
 from torchtitan_ext.families import Family
 from torchtitan_ext import flops
 
@@ -81,25 +81,26 @@ def flops_per_token(cfg: MelaConfig, seq_len: int) -> float:
 HMM_RECOMPILE_LIMIT = 16
 
 
-def hmm_blocks(model) -> list[str]:
-    """Names of the HMM's memory blocks (attention + neural memory, `MemoryBlock`)."""
-    return [name for name, module in model.named_modules() if isinstance(module, MemoryBlock)]
+def hmm_modules(model) -> list[str]:
+    """Names of the HMM's L- and H-modules (`MemoryModule`: input fusion, memory blocks, norm)."""
+    return [name for name, module in model.named_modules() if isinstance(module, MemoryModule)]
 
 
 def compiled_modules(model) -> list[str]:
     """What Mela's training compiles: torchtitan's per-block compile of the decoder `layers`,
-    and each HMM memory block (`compile_hmm`)."""
-    return [f"layers.{key}" for key, _ in model.layers.named_children()] + hmm_blocks(model)
+    and the HMM's L- and H-module (`compile_hmm`)."""
+    return [f"layers.{key}" for key, _ in model.layers.named_children()] + hmm_modules(model)
 
 
 def compile_hmm(model, backend: str) -> None:
-    """Compile each HMM memory block with fullgraph=True (its attention and neural memory;
-    the recursion, fusions and patchify between them stay eager), allowing
-    HMM_RECOMPILE_LIMIT graphs per block."""
+    """Compile the HMM's L- and H-module each with fullgraph=True (input fusion, memory
+    blocks with their attention and neural memories, norm; the recursion and patchify
+    between them stay eager), allowing HMM_RECOMPILE_LIMIT graphs per module (grad on / off
+    cycles, fresh / carried states)."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, HMM_RECOMPILE_LIMIT)
-    for name in hmm_blocks(model):
+    for name in hmm_modules(model):
         model.get_submodule(name).compile(backend=backend, fullgraph=True)
 
 
@@ -111,7 +112,7 @@ def compile_regions(model, backend: str) -> None:
 
 
 def parallelize_mela(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
-    """With compile on, the HMM's memory blocks (`compile_hmm`), then torchtitan's AC ->
+    """With compile on, the HMM's L- and H-module (`compile_hmm`), then torchtitan's AC ->
     per-block compile of the decoder `layers` -> FSDP2 (`parallelize_plain_decoder`)."""
     from torchtitan_ext.families.plain_model import parallelize_plain_decoder
 
