@@ -251,7 +251,8 @@ def test_block_masks_that_keep_their_closure_do_not_flatten_alike(monkeypatch):
 @pytest.fixture(scope="module")
 def configs():
     """Parsed Trainer configs: transformer_debug with flex attention (as on a GPU; the CPU
-    build swaps it for SDPA) and mela_debug (its own attention, no BlockMask inputs)."""
+    build swaps it for SDPA), mela_debug (its own attention, no BlockMask inputs) and
+    titans_mac_debug (flex attention whose masks it builds inside the step: no inputs either)."""
     from torchtitan.models.common.attention import FlexAttention
 
     from torchtitan_ext.training import cli
@@ -266,13 +267,17 @@ def configs():
             setattr(parent, attr, FlexAttention.Config())
         swapped += 1
     assert swapped > 0
-    return {"flex": transformer, "mela": cli.parse(["--module", "train_configs.mela", "--config", "mela_debug"])}
+    return {"flex": transformer, "mela": cli.parse(["--module", "train_configs.mela", "--config", "mela_debug"]),
+            "titans_mac": cli.parse(["--module", "train_configs.titans", "--config", "titans_mac_debug"])}
 
 
 def test_cuda_graphs_off_only_for_flex_masks_this_torch_cannot_replay(configs, monkeypatch):
     monkeypatch.setattr(torch_compat, "block_masks_flatten_alike", lambda: False)
     assert torch_compat.cuda_graph_args(configs["flex"]) == ["--training.disable_cuda_graphs"]
     assert torch_compat.cuda_graph_args(configs["mela"]) == []  # no flex attention: graphs stay on
+    # MAC / MAG / MAL: flex attention on CUDA, but each mask is made inside the captured step (once per
+    # segment length, `models.layers.attention.flex_block_mask`), never a step input: graphs stay on
+    assert torch_compat.cuda_graph_args(configs["titans_mac"]) == []
     monkeypatch.setattr(configs["flex"].training, "disable_cuda_graphs", True)
     assert torch_compat.cuda_graph_args(configs["flex"]) == []  # already off
     monkeypatch.setattr(configs["flex"].training, "disable_cuda_graphs", False)

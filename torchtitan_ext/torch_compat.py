@@ -43,6 +43,9 @@ torchtitan's modules bind them with `from torch... import ...`:
    launcher (`training/train.py`) adds `--training.disable_cuda_graphs` where
    `cuda_graph_args` says so: a model with flex attention on a torch whose masks do not
    flatten alike (`block_masks_flatten_alike`). Not a name to bind, so not part of `apply()`.
+   Titans' MAC / MAG / MAL use flex attention too, but build their masks inside the step
+   (MAC once per segment length, `models.layers.attention.flex_block_mask`), so no mask is a
+   step input and their CUDA graphs stay on (tests/test_torch_compat.py).
 """
 
 from __future__ import annotations
