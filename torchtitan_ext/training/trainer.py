@@ -163,8 +163,14 @@ class MemoryTrainer(Trainer):
 
     def train_step(self, data_iterator):
         logged = self.metrics_processor.should_log(self.step)
+        # torchtitan's CUDA-graph step (on CUDA unless --training.disable_cuda_graphs) runs step 1
+        # eagerly, captures step 2 and replays it: a replay runs what the capture ran, whatever the
+        # Python flags. So there every step records: the capture holds the statistics, and each
+        # replay refreshes them in the tensors the model keeps (else a logged replay would report the
+        # warmup step's). Elsewhere the statistics cost launches on logged steps only.
+        graph_step = self.device.type == "cuda" and not self.config.training.disable_cuda_graphs
         try:
-            with recording(logged):  # the models' statistics on logged steps only
+            with recording(logged or graph_step):
                 super().train_step(data_iterator)
         except RuntimeError as e:  # torchtitan's "Loss is not finite" of a step the guard skipped
             if isinstance(e, NonFiniteSteps) or not self._update_skipped():
