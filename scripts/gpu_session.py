@@ -1,6 +1,6 @@
 """The one prepared script of a GPU lease (run through scripts/gpu_session.sh; <= 9 minutes on one H100).
 
-    bash scripts/gpu_session.sh [--only main,kernels,perf] [--models transformer,mela,titans_mac] [--steps 2]
+    bash scripts/gpu_session.sh [--only main,kernels,perf] [--models transformer,mela,titans_mac] [--steps 6]
         [--budget-s 510] [--out DIR] [--dry-run] [--debug]
 
 Sections (`--only` picks some, so that a rerun fits what is left of a lease):
@@ -12,11 +12,13 @@ Sections (`--only` picks some, so that a rerun fits what is left of a lease):
         last step (the tied-embedding path of Mela), a DCP checkpoint there; then a second
         launch resumes and trains one more step; then that checkpoint is converted to Hugging
         Face and loaded with transformers, whose logits must equal ours
-        (scripts/check_hf_export.py). Reported: tokens/s and MFU of the last step, peak memory,
+        (scripts/check_hf_export.py). Reported: tokens/s and MFU of the last step, the mean
+        tokens/s of the steps after torchtitan's CUDA-graph warmup and capture (steps 3 on), peak memory,
         the first step's wall time (compilation included) against a later step's.
   perf  scripts/bench_models.py (a plain loop, no torchtitan) at seq 4096, batch 2, bf16
-        autocast, fp32 fast weights: the same three models eager and compiled, the memory models
-        also on the whole-sequence kernels (`--whole-sequence`, eager and compiled): tokens/s, MFU,
+        autocast, fp32 fast weights: the same three models compiled, compiled and replayed as a
+        CUDA graph (`--cuda-graphs`, 10 timed replays), and eager; the memory models also on the
+        whole-sequence kernels (`--whole-sequence`, the same three ways), in that order: tokens/s, MFU,
         peak memory and the first step's time, and the profiler's top 10 CUDA kernels of
         one step of each (`--profile`).
   kernels  scripts/bench_whole_sequence.py: the whole-sequence kernels against the torch
@@ -56,8 +58,13 @@ MODELS = {  # name -> config module; the order runs cheapest and safest first
     "titans_mac": "train_configs.titans",
 }
 SECTIONS = ("main", "kernels", "perf")  # kernels first: its Triton compiles are cached for perf
-PERF_MODES = {"eager": [], "compiled": ["--compile"], "whole_sequence": ["--whole-sequence"],
-              "whole_sequence_compiled": ["--whole-sequence", "--compile"]}
+# in the order a cut budget should keep them: compiled and graph-replayed first (issue 47's goals)
+PERF_MODES = {"compiled": ["--compile"], "compiled_graphs": ["--compile", "--cuda-graphs"],
+              "whole_sequence_compiled": ["--whole-sequence", "--compile"],
+              "whole_sequence_compiled_graphs": ["--whole-sequence", "--compile", "--cuda-graphs"],
+              "eager": [], "whole_sequence": ["--whole-sequence"]}
+GRAPH_REPLAYS = 10  # timed replays of a captured step (its first replay untimed)
+STEADY_AFTER = 2  # torchtitan's CUDA-graph step: step 1 eager (warmup), step 2 the capture, then replays
 KERNEL_RULES = {"titans_mac": "token", "mela": "newton_schulz"}  # the memory models' write rules
 BATCH = 2
 
@@ -116,15 +123,18 @@ def hf_args(model: str, shape: Shape, work: Path, step: int) -> list[str]:
             "--out", str(work / f"{config}_hf"), "--device", shape.device, "--length", str(min(1024, shape.seq_len))]
 
 
-def perf_modes(model: str) -> list[str]:
-    """The bench_models modes of `model`: eager and compiled; the memory models also on the
-    whole-sequence kernels."""
-    return [m for m in PERF_MODES if model in KERNEL_RULES or not m.startswith("whole_sequence")]
+def perf_modes(model: str, shape: Shape) -> list[str]:
+    """The bench_models modes of `model`: compiled, graph-replayed (CUDA only), eager; the
+    memory models also on the whole-sequence kernels."""
+    return [m for m in PERF_MODES if (model in KERNEL_RULES or not m.startswith("whole_sequence"))
+            and (shape.device == "cuda" or not m.endswith("graphs"))]
 
 
 def perf_args(model: str, shape: Shape, mode: str) -> list[str]:
+    steps = GRAPH_REPLAYS if mode.endswith("graphs") else 3
     return ["--models", f"{model}:{shape.flavor}", "--seq-len", str(shape.seq_len), "--batch", str(BATCH),
-            "--steps", "3", "--warmup", "1", "--device", shape.device, "--profile", "--json", *PERF_MODES[mode]]
+            "--steps", str(steps), "--warmup", "1", "--device", shape.device, "--profile", "--json",
+            *PERF_MODES[mode]]
 
 
 def kernels_args(model: str, shape: Shape) -> list[str]:
@@ -149,8 +159,9 @@ def seconds_between(log: str, first: str, then: re.Pattern) -> float | None:
 
 
 def step_figures(log: str, tokens_per_step: int) -> dict:
-    """Figures of a training launch's log: last step's tokens/s, TFLOP/s and MFU, the peak
-    memory, the first step's seconds (compilation included) and a later step's."""
+    """Figures of a training launch's log: last step's tokens/s, TFLOP/s and MFU, the mean
+    tokens/s of the steps after the CUDA-graph capture (`STEADY_AFTER`; None without such a
+    step), the peak memory, the first step's seconds (compilation included) and a later step's."""
     steps = parse_steps(log)
     if not steps:
         return {}
@@ -161,6 +172,9 @@ def step_figures(log: str, tokens_per_step: int) -> dict:
                "tokens_per_s": last.get("tps"), "tflops": last.get("tflops"), "mfu_percent": last.get("mfu"),
                "peak_memory_gib": max(memory) if memory else None,
                "first_step_s": seconds_between(log, "Training starts at step", re.compile(r"(?<!validate )step:\s*1\s"))}
+    steady = [steps[s]["tps"] for s in sorted(steps) if s > STEADY_AFTER and steps[s].get("tps")]
+    figures["steady_tokens_per_s"] = round(sum(steady) / len(steady)) if steady else None
+    figures["steady_steps"] = len(steady)
     if last.get("tps"):
         figures["later_step_s"] = tokens_per_step / last["tps"]
     return figures
@@ -249,7 +263,7 @@ class Session:
     def perf_section(self, model: str) -> Outcome:
         outcome = Outcome(model, "perf")
         log = self.args.out / "perf.log"
-        for mode in perf_modes(model):
+        for mode in perf_modes(model, self.shape):
             code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, mode)], log,
                                   TIMEOUT_S["perf"])
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
@@ -284,7 +298,9 @@ def table(outcomes: list[Outcome]) -> str:
     for o in outcomes:
         f = o.figures
         if o.section == "main":
-            detail = f"loss {f.get('loss')}; resume {f.get('resume', {}).get('steps')}; {f.get('hf_export', '')}"
+            detail = (f"steady {fmt(f.get('steady_tokens_per_s'))} tokens/s over {f.get('steady_steps', 0)} steps after "
+                      f"the capture; loss {f.get('loss')}; resume {f.get('resume', {}).get('steps')}; "
+                      f"{f.get('hf_export', '')}")
             lines.append(f"| main | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} | {fmt(f.get('mfu_percent'), '.1f')} "
                          f"| {fmt(f.get('peak_memory_gib'), '.1f')} | {fmt(f.get('first_step_s'), '.0f')} | {detail} |")
         elif o.section == "kernels":
@@ -327,7 +343,7 @@ def dry_run(session: Session) -> int:
             commands += [("train", first), ("train", with_steps(first, a.steps + 1)),
                          ("hf", hf_args(model, shape, a.work, a.steps + 1))]
         if "perf" in a.only:
-            commands += [("perf", perf_args(model, shape, mode)) for mode in perf_modes(model)]
+            commands += [("perf", perf_args(model, shape, mode)) for mode in perf_modes(model, shape)]
         if "kernels" in a.only and model in KERNEL_RULES:
             commands.append(("kernels", kernels_args(model, shape)))
         for kind, args in commands:
@@ -351,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma-separated: {', '.join(SECTIONS)}")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
-    p.add_argument("--steps", type=int, default=2, help="training steps of the main section's first launch")
+    p.add_argument("--steps", type=int, default=6, help="training steps of the main section's first launch (6: four "
+                   "after torchtitan's CUDA-graph warmup and capture)")
     p.add_argument("--budget-s", type=float, default=510, help="wall-clock seconds for everything")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "outputs" / "gpu_session"))
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu_session"), help="checkpoints and exports")

@@ -25,13 +25,15 @@ def test_dry_run_checks_every_lease_command_and_exits_0():
                          timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     checked = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
-    # 3 models x (train, resume, hf export, perf eager, perf compiled); the 2 memory models also perf on the
-    # whole-sequence kernels (eager, compiled) and the kernels' check: all parsed
-    assert len(checked) == 15 + 2 * 3 and all(line.startswith("ok ") for line in checked), run.stdout
+    # 3 models x (train, resume, hf export, perf compiled / graph-replayed / eager); the 2 memory models also
+    # perf on the whole-sequence kernels (the same three) and the kernels' check: all parsed
+    assert len(checked) == 3 * 6 + 2 * 4 and all(line.startswith("ok ") for line in checked), run.stdout
     assert sum("bench_whole_sequence.py" in line for line in checked) == 2
+    graphs = [line for line in checked if "--cuda-graphs" in line]
+    assert len(graphs) == 5 and all("--compile" in line and "--steps 10" in line for line in graphs)
     for config in ("transformer_400m", "mela_400m", "titans_mac_400m"):
         trains = [line for line in checked if f"--config {config} " in line and "train.sh" in line]
-        assert [("--training.steps 2" in t, "--training.steps 3" in t) for t in trains] == [(True, False), (False, True)]
+        assert [("--training.steps 6" in t, "--training.steps 7" in t) for t in trains] == [(True, False), (False, True)]
     assert all("--training.seq_len 4096" in line for line in checked if "train.sh" in line)
 
 
@@ -47,7 +49,7 @@ def test_dry_run_names_a_flag_the_script_does_not_take(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         gpu_session.main(["--dry-run", "--only", "perf", "--models", "mela"])
     out = capsys.readouterr().out
-    assert stop.value.code == 1 and out.count("FAIL") == 4 and "unknown flags ['--bogus']" in out
+    assert stop.value.code == 1 and out.count("FAIL") == 6 and "unknown flags ['--bogus']" in out
 
 
 def test_figures_read_from_a_training_log():
@@ -58,6 +60,15 @@ def test_figures_read_from_a_training_log():
     assert abs(figures["first_step_s"] - 46.378) < 1e-9  # "Training starts" -> the step-1 line
     assert abs(figures["later_step_s"] - 8192 / 2451) < 1e-9
     assert gpu_session.step_figures("no steps here", 8192) == {}
+    assert figures["steady_tokens_per_s"] is None and figures["steady_steps"] == 0  # no step after the capture
+
+
+def test_steady_state_is_the_mean_of_the_steps_after_the_cuda_graph_capture():
+    later = "".join(f"[titan] 2026-11-26 17:29:0{s},695 - root - INFO - step:  {s}  loss:  9.0  memory: 14.16GiB(17.88%)  "
+                    f"tps: {tps:,}  tflops: 5.95  mfu: 0.60%\n" for s, tps in ((3, 9000), (4, 10000), (5, 11000), (6, 10000)))
+    figures = gpu_session.step_figures(LOG + later, tokens_per_step=8192)
+    assert figures["steps"] == [1, 2, 3, 4, 5, 6] and figures["tokens_per_s"] == 10000
+    assert figures["steady_tokens_per_s"] == 10000 and figures["steady_steps"] == 4  # 2,451 of the capture step left out
 
 
 def test_resume_arguments_change_only_the_step_count():
@@ -86,7 +97,8 @@ def test_perf_rows_with_an_empty_error_are_ok_and_a_command_without_time_is_skip
     assert "| perf eager | mela | ok | 4,874 |" in gpu_session.table([outcome])
     monkeypatch.setattr(s, "run", lambda *a, **k: ("no time left", ""))
     outcome = s.perf_section("mela")
-    assert outcome.status == "failed: eager, compiled, whole_sequence, whole_sequence_compiled"
+    assert outcome.status == ("failed: compiled, compiled_graphs, whole_sequence_compiled, "
+                              "whole_sequence_compiled_graphs, eager, whole_sequence")
     assert outcome.figures["eager"]["error"] == "skipped: no time left for eager"
 
 
