@@ -569,6 +569,8 @@ class _Recorder:
         outputs = _tensors(out)
         if not any(t.device.type == "meta" for t in (*inputs.values(), *outputs)):
             return  # host-side tensors (CPU scalars): no kernel on the device
+        if outputs and all(t.numel() == 0 for t in outputs):
+            return  # nothing to compute (an empty stream buffer): CUDA returns before launching
         hw = self.cost.hardware
         tag = self.tag_now()
         cls = self.classify(tag, kind)

@@ -138,41 +138,54 @@ class Attention(nn.Module):
             return apply_rope(t, *rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta))
         return apply_half_rope(t, positions, self.inv_freq)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x (B, L, dim), positions (L,) or (B, L) -> q (B, n_heads, L, head_dim), k and v
-        (B, n_kv_heads, L, head_dim): projected, q / k normed (`qk_norm`) and rotated. Traced
-        by torch.compile, the three projections run as one matmul over their stacked weights
-        (one kernel forward and two backward instead of three and six; the same function)."""
+    def _linears(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
+        """x (B, L, dim) through each of `linears` (all reading x). Traced by torch.compile they
+        run as one matmul over their stacked weights (one kernel forward and two backward instead
+        of one and two per linear; the same function), eagerly one by one."""
         if not compiling():
-            return (self._rope(self._heads(self.wq(x), self.q_norm), positions), *self.project_kv(x, positions))
-        linears = (self.wq, self.wk, self.wv)
-        bias = torch.cat([linear.bias for linear in linears]) if self.cfg.qkv_bias else None
-        q, k, v = F.linear(x, torch.cat([linear.weight for linear in linears]), bias).split(
-            [linear.out_features for linear in linears], -1)
+            return [linear(x) for linear in linears]
+        bias = None
+        if any(linear.bias is not None for linear in linears):
+            bias = torch.cat([x.new_zeros(linear.out_features) if linear.bias is None else linear.bias
+                              for linear in linears])
+        stacked = F.linear(x, torch.cat([linear.weight for linear in linears]), bias)
+        return list(stacked.split([linear.out_features for linear in linears], -1))
+
+    def _rotated_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Projections (B, L, n * head_dim) -> heads (B, n, L, head_dim), q / k normed and rotated."""
         return (self._rope(self._heads(q, self.q_norm), positions), self._rope(self._heads(k, self.k_norm), positions),
                 self._heads(v))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, L, dim), positions (L,) or (B, L) -> q (B, n_heads, L, head_dim), k and v
+        (B, n_kv_heads, L, head_dim): projected (`_linears`), q / k normed (`qk_norm`) and rotated."""
+        return self._rotated_heads(*self._linears(x, (self.wq, self.wk, self.wv)), positions)
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor):
         """x (B, L, dim), positions (L,) or (B, L) -> k, v (B, n_kv_heads, L, head_dim) as `project`'s."""
         return self._rope(self._heads(self.wk(x), self.k_norm), positions), self._heads(self.wv(x))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_positions: torch.Tensor | None,
-               x: torch.Tensor | None = None) -> torch.Tensor:
+               x: torch.Tensor | None = None, gate_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Projected q (B, n_heads, Lq, head_dim) over k, v (B, n_kv_heads, Lk, head_dim), the
         queries being the last Lq of the Lk tokens; doc_positions (B, Lk) restarting at 0 per
-        document, or None (one document per row); x (B, Lq, dim) the attention's input, which
-        the output gate reads (`gated` only) -> (B, Lq, dim)."""
+        document, or None (one document per row); the output gate (`gated` only) reads
+        gate_logits (B, Lq, n_heads * head_dim) = W_g x when given, else W_g of x (B, Lq, dim),
+        the attention's input -> (B, Lq, dim)."""
         out = document_causal_attention(q, k, v, doc_positions).transpose(1, 2).flatten(-2)
         if self.wg is not None:
-            out = out * torch.sigmoid(self.wg(x))
+            out = out * torch.sigmoid(self.wg(x) if gate_logits is None else gate_logits)
         return self.wo(out)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None = None):
-        """x (B, L, dim); positions (L,) or (B, L) for RoPE; doc_positions (B, L) or None for masking."""
-        q, k, v = self.project(x, positions)
+        """x (B, L, dim); positions (L,) or (B, L) for RoPE; doc_positions (B, L) or None for masking.
+        q, k, v and the output gate's W_g x are projected together (`_linears`)."""
+        gated = (self.wg,) if self.wg is not None else ()
+        q, k, v, *gate_logits = self._linears(x, (self.wq, self.wk, self.wv, *gated))
+        q, k, v = self._rotated_heads(q, k, v, positions)
         if self.cfg.prefix_keys and recording_on():
             self._note_prefix_mass(q, k)
-        return self.attend(q, k, v, doc_positions, x)
+        return self.attend(q, k, v, doc_positions, x, *gate_logits)
 
     def _note_prefix_mass(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Diagnostics: mean attention probability the last DIAGNOSTIC_QUERIES queries put on

@@ -374,15 +374,26 @@ class HierarchicalMemory(nn.Module):
         return zs, tuple(l_states), tuple(h_states)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """carry(before, now): the value of `now`, the gradient to `before` as the identity
+    (M_before + (M_now - M_before).detach() without its two launches and their rounding)."""
+
+    @staticmethod
+    def forward(ctx, before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+        return now.view_as(now)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 def straight_through(entering: tuple, after: tuple) -> tuple:
     """Block states `after` the no-grad cycles, whose weights and momenta pass gradient to
-    the `entering` states as the identity: M_entering + (M_after - M_entering).detach(). The
-    no-grad cycles' writes enter as constant increments (HRM's one-step gradient, applied to
-    the memory chain), so a per_block chain's initial weights and earlier chunks' writes
-    still learn when H > 1."""
-    def carry(before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
-        return before + (now - before).detach()
-
+    the `entering` states as the identity: the value of M_after, the gradient of M_entering
+    (`_StraightThrough`). The no-grad cycles' writes enter as constant increments (HRM's
+    one-step gradient, applied to the memory chain), so a per_block chain's initial weights
+    and earlier chunks' writes still learn when H > 1."""
+    carry = _StraightThrough.apply
     return tuple(None if now is None else now._replace(
         weights=tuple(map(carry, before.weights, now.weights)), momentum=tuple(map(carry, before.momentum, now.momentum)))
         for before, now in zip(entering, after))

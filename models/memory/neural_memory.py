@@ -456,7 +456,7 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     weights, momentum = tuple(s[:, :, 0] for s in stacked), tuple(s[:, :, 1] for s in stacked)
     if full < total:
         outputs.append(mlp_forward(weights, q[:, :, full:], rule.residual)[0])
-    y = torch.cat(outputs, 2)[:, :, pending:]
+    y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2))[:, :, pending:]  # no copy of a lone part
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
     sums = chunks * sum(w.shape[0] * w.shape[1] for w in weights) * (2 if rule.gates == "token" else 1)
     share = clipped / max(sums, 1) if rule.max_update_norm else None
