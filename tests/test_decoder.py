@@ -105,6 +105,30 @@ def test_the_block_equals_its_written_out_definition_in_float64(case, traced, mo
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
 
 
+def test_the_traced_stacked_projection_keeps_a_lora_adapters_path(monkeypatch):
+    """Traced by torch.compile, q/k/v (and W_g) run as one matmul over stacked weights, unless one is
+    a LoRALinear: its low-rank path is not in its `weight` (float64, a non-zero B)."""
+    import models.layers.decoder
+    from models.grafts.lora import LoRAConfig, LoRALinear
+
+    torch.manual_seed(0)
+    block = DecoderBlock(DIM, HEADS, KV_HEADS, 48, THETA, EPS, gated=True).double()
+    attention = block.attention
+    attention.wk = LoRALinear(attention.wk, LoRAConfig(rank=2, alpha=4.0, dropout=0.0))
+    with torch.no_grad():
+        attention.wk.lora_B.weight.normal_()
+    x, positions = torch.randn(2, 9, DIM, dtype=torch.float64), torch.arange(9)
+    outputs = []
+    for traced in (False, True):
+        monkeypatch.setattr(models.layers.decoder, "compiling", lambda: traced)
+        with torch.no_grad():
+            outputs.append(block(x, positions))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
+    with torch.no_grad():
+        attention.wk.lora_B.weight.zero_()
+        assert (block(x, positions) - outputs[0]).abs().max() > 1e-3  # the adapter's path mattered
+
+
 def test_the_two_rmsnorm_roundings_agree_in_float32_and_round_as_written_in_bfloat16():
     """Both take float32 statistics: in float32 they agree; in bfloat16 transformers' casts the
     normalised x back before the weight, torch's kernel applies the weight first (one rounding);

@@ -139,10 +139,11 @@ class Attention(nn.Module):
         return apply_half_rope(t, positions, self.inv_freq)
 
     def _linears(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
-        """x (B, L, dim) through each of `linears` (all reading x). Traced by torch.compile they
-        run as one matmul over their stacked weights (one kernel forward and two backward instead
-        of one and two per linear; the same function), eagerly one by one."""
-        if not compiling():
+        """x (B, L, dim) through each of `linears` (all reading x). Traced by torch.compile, plain
+        nn.Linear layers run as one matmul over their stacked weights (one kernel forward and two
+        backward instead of one and two per linear; the same function); eagerly, or when any is
+        adapted (a LoRALinear, models/grafts/lora.py, adds its own path), one by one."""
+        if not compiling() or any(type(linear) is not nn.Linear for linear in linears):
             return [linear(x) for linear in linears]
         bias = None
         if any(linear.bias is not None for linear in linears):

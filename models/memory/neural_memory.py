@@ -643,7 +643,7 @@ class NeuralMemory(nn.Module):
         (`write_projection`; the same function)."""
         if state is None:
             state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
-        if compiling():
+        if compiling() and type(self.to_qkv) is type(self.to_gates) is nn.Linear:  # not an adapted (LoRA) one
             projected = F.linear(x, *self.write_projection())
             qkv, gate_logits = projected.split([self.to_qkv.out_features, self.to_gates.out_features], -1)
         else:
