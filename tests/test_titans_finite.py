@@ -18,8 +18,9 @@ from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig, SURPRI
 from torchtitan_ext.eval import titans_stress
 
 # MQAR (T 128, 8 pairs, vocabulary 256), titans_mal of width 64, memory chunk 16, lr 1e-2, batch 16:
-# the smallest run found that goes NaN with the memory unbounded (about 10 s to the NaN).
-REPRODUCER = titans_stress.Cell("mal", 64, 1e-2, 128, 16, seed=0, steps=100, batch_size=16)
+# the smallest run found that goes NaN with the memory unbounded (about 2 s to the NaN). Seed 2: since
+# the per-token rule's weight sums became a reduction (rounding only), seed 0 no longer does in 100 steps.
+REPRODUCER = titans_stress.Cell("mal", 64, 1e-2, 128, 16, seed=2, steps=100, batch_size=16)
 UNBOUNDED = (("max_update_norm", 0.0),)
 
 
@@ -41,7 +42,7 @@ def one_thread():
 
 def test_the_mqar_run_that_went_nan_unbounded_trains_finite_at_the_defaults(one_thread):
     """Unbounded (the old default), the memory's surprise grows geometrically inside a forward
-    and the run goes non-finite (step 83 here); at the defaults it trains finite for 100
+    and the run goes non-finite (step 17 here); at the defaults it trains finite for 100
     steps, the bound clipping on some steps, and every loss before the first clip equals the
     unbounded run's bit for bit (an unclipped sum is multiplied by an exact 1)."""
     unbounded, unbounded_watch = titans_stress.train_cell(dataclasses.replace(REPRODUCER, memory=UNBOUNDED))

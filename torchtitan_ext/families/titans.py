@@ -38,7 +38,9 @@ FLAVORS = {
 def flops_per_token(cfg: TitansConfig, seq_len: int) -> float:
     """Per token: each block's memory, attention (MAC: keys are the segment's retrieved
     tokens and inputs plus the persistent tokens; MAG/MAL: the window and the persistent
-    tokens), gate and SwiGLU FFN; the output head."""
+    tokens), gate and SwiGLU FFN; the output head. The model's math: MAC's two weight folds
+    per call (`TitansBlock._mac`, an implementation choice) are left out (at 400m, T 4096,
+    batch 2: about 2% of the step's executed FLOPs)."""
     d, memory = cfg.dim, cfg.block_memory
     block = flops.neural_memory(memory) + 3 * flops.linear(d, cfg.ffn_hidden)
     if cfg.variant == "mac":
