@@ -159,7 +159,7 @@ from kernels import (FUSED_TOKEN_STEP_BACKENDS, token_chunk_step, token_step_bac
                      token_step_refusal)
 from kernels.token_step import AUTOCAST_DEVICE_TYPES
 from models.layers.diagnostics import recording_on
-from models.layers.tracing import compiling, project_together
+from models.layers.tracing import compiling
 from kernels.whole_sequence import refusal as whole_sequence_refusal
 from kernels.whole_sequence import whole_sequence_memory
 from models.memory.chunk_write import (associative_grads, chunk_gates, clip_surprise, mlp_forward, surprise_limit,
@@ -630,12 +630,25 @@ class NeuralMemory(nn.Module):
             self._note_stats(start_weights, state, new[2:], clipped_share)
         return y, state._replace(conv=conv)
 
+    def write_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`to_qkv` and `to_gates` stacked: weight (3 H d + 3 H, dim), bias (3 H d + 3 H,) (zero
+        for q/k/v). Its output splits at 3 H d into `write`'s two inputs."""
+        bias = self.to_gates.bias
+        return (torch.cat([self.to_qkv.weight, self.to_gates.weight]),
+                torch.cat([bias.new_zeros(self.to_qkv.out_features), bias]))
+
     def forward(self, x: torch.Tensor, state: MemoryState | None = None):
         """x (B, T, dim) written and read from `state` (None: fresh) -> (y (B, T, dim), new state).
-        Traced by torch.compile, the two input projections run as one matmul (`project_together`)."""
+        Traced by torch.compile, the two input projections run as one matmul
+        (`write_projection`; the same function)."""
         if state is None:
             state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
-        y, state = self.write(*project_together(x, (self.to_qkv, self.to_gates)), state)
+        if compiling() and type(self.to_qkv) is type(self.to_gates) is nn.Linear:  # not an adapted (LoRA) one
+            projected = F.linear(x, *self.write_projection())
+            qkv, gate_logits = projected.split([self.to_qkv.out_features, self.to_gates.out_features], -1)
+        else:
+            qkv, gate_logits = self.to_qkv(x), self.to_gates(x)
+        y, state = self.write(qkv, gate_logits, state)
         return self._output(y, x), state
 
     def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor | None) -> None:
