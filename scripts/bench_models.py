@@ -24,7 +24,9 @@ fp32, batch 2, 3 steps, short sequences: proves every family builds, steps and r
 The first step's wall time (compilation included) is reported beside the timed steps'.
 `--whole-sequence` puts every neural memory on the whole-sequence kernels (kernels/whole_sequence.py).
 `--cuda-graphs` (CUDA): after the warmup, one step is captured as a CUDA graph and the timed
-steps are its replays (`capture_step`), the step's launch cost paid once on the host.
+steps are its replays (`capture_step`), the step's launch cost paid once on the host. Every
+step's loss is reported: with `--warmup W`, replay k trains what step W + k - 1 of the same
+run without graphs trains (same seed, same batch), so the two lists check a replay's arithmetic.
 `--profile` runs one more step under torch.profiler and reports the 10 kernels (CUDA; CPU ops
 on a CPU) with the most self time; `--json` adds one `JSON {...}` line per model
 (scripts/gpu_session.py reads them).
@@ -37,6 +39,7 @@ import dataclasses
 import json
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +70,7 @@ class Result:
     first_step_s: float = 0.0
     capture_s: float = 0.0  # --cuda-graphs: warmup and capture
     top_kernels: list = dataclasses.field(default_factory=list)  # [(name, self ms per step)], --profile
+    losses: list = dataclasses.field(default_factory=list)  # each step's loss (--cuda-graphs: each replay's)
     error: str = ""
 
 
@@ -131,20 +135,22 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    if cuda_graphs:
+    if cuda_graphs:  # the warmup steps train, the capture does not: replay k trains step warmup + k
         train_step, result.capture_s = capture_step(train_step, optimizer, warmup)
         warmup = 1  # the first replay is not timed
-    start = time.perf_counter()
+    start, losses = time.perf_counter(), []
     for step in range(warmup + steps):
         if step == warmup:
             sync()
             start = time.perf_counter()
         loss = train_step()
+        losses.append(loss.detach().clone())  # a replay overwrites its loss tensor; no host sync here
         if step == 0:
             sync()
             result.first_step_s = time.perf_counter() - start
     sync()
     result.tokens_per_s = steps * batch * seq_len / (time.perf_counter() - start)
+    result.losses = [x.item() for x in losses]
     if profile_kernels:
         result.top_kernels = top_kernels(train_step, device)
     if not torch.isfinite(loss.detach()).item():  # checked once, after timing: no host sync per step
@@ -235,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         except torch.cuda.OutOfMemoryError:
             r = Result(name, flavor, error="out of memory: lower --batch or --seq-len")
             torch.cuda.empty_cache()
-        except Exception as e:  # one model's failure is one row; the exit status says so
+        except Exception as e:  # one model's failure is one row; the exit status says so; where: stderr
+            traceback.print_exc()
             r = Result(name, flavor, error=f"failed: {type(e).__name__}: {e}")
         if r.error:
             failed = True

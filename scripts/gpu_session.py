@@ -1,7 +1,7 @@
 """The one prepared script of a GPU lease (run through scripts/gpu_session.sh; <= 9 minutes on one H100).
 
     bash scripts/gpu_session.sh [--only main,kernels,perf] [--models transformer,mela,titans_mac] [--steps 6]
-        [--budget-s 510] [--out DIR] [--dry-run] [--debug]
+        [--perf-modes compiled,compiled_graphs,...] [--budget-s 510] [--out DIR] [--dry-run] [--debug]
 
 Sections (`--only` picks some, so that a rerun fits what is left of a lease):
   main  the main job, end to end through scripts/train.sh (torchtitan's Trainer: FSDP2 on one
@@ -18,9 +18,10 @@ Sections (`--only` picks some, so that a rerun fits what is left of a lease):
   perf  scripts/bench_models.py (a plain loop, no torchtitan) at seq 4096, batch 2, bf16
         autocast, fp32 fast weights: the same three models compiled, compiled and replayed as a
         CUDA graph (`--cuda-graphs`, 10 timed replays), and eager; the memory models also on the
-        whole-sequence kernels (`--whole-sequence`, the same three ways), in that order: tokens/s, MFU,
-        peak memory and the first step's time, and the profiler's top 10 CUDA kernels of
-        one step of each (`--profile`).
+        whole-sequence kernels (`--whole-sequence`, the same three ways), in that order (`--perf-modes`
+        picks some): tokens/s, MFU, peak memory and the first step's time, the profiler's top 10
+        CUDA kernels of one step of each (`--profile`), and for a graph-replayed mode run after
+        its unreplayed one, the largest relative difference between their losses step for step.
   kernels  scripts/bench_whole_sequence.py: the whole-sequence kernels against the torch
         reference on CUDA and one memory layer's step against the chunk loop, at head_dim 64,
         hidden 256, chunk 64, seq 4096 (titans_mac: the per-token rule; mela: Newton-Schulz).
@@ -123,11 +124,22 @@ def hf_args(model: str, shape: Shape, work: Path, step: int) -> list[str]:
             "--out", str(work / f"{config}_hf"), "--device", shape.device, "--length", str(min(1024, shape.seq_len))]
 
 
-def perf_modes(model: str, shape: Shape) -> list[str]:
-    """The bench_models modes of `model`: compiled, graph-replayed (CUDA only), eager; the
-    memory models also on the whole-sequence kernels."""
-    return [m for m in PERF_MODES if (model in KERNEL_RULES or not m.startswith("whole_sequence"))
+def perf_modes(model: str, shape: Shape, chosen: list[str]) -> list[str]:
+    """The bench_models modes of `model` among `chosen`: compiled, graph-replayed (CUDA only),
+    eager; the memory models also on the whole-sequence kernels."""
+    return [m for m in PERF_MODES if m in chosen and (model in KERNEL_RULES or not m.startswith("whole_sequence"))
             and (shape.device == "cuda" or not m.endswith("graphs"))]
+
+
+def replay_drift(stepped: dict, replayed: dict, warmup: int = 1) -> float | None:
+    """The largest relative difference between a graph-replayed run's losses and those of the
+    same steps run without graphs (bench_models: replay k trains step warmup + k - 1), or None
+    when either run has no losses."""
+    ours, theirs = stepped.get("losses") or [], replayed.get("losses") or []
+    pairs = list(zip(ours[warmup:], theirs))
+    if not pairs:
+        return None
+    return max(abs(a - b) / max(abs(a), 1e-12) for a, b in pairs)
 
 
 def perf_args(model: str, shape: Shape, mode: str) -> list[str]:
@@ -263,11 +275,13 @@ class Session:
     def perf_section(self, model: str) -> Outcome:
         outcome = Outcome(model, "perf")
         log = self.args.out / "perf.log"
-        for mode in perf_modes(model, self.shape):
+        for mode in perf_modes(model, self.shape, self.args.perf_modes):
             code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, mode)], log,
                                   TIMEOUT_S["perf"])
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
             outcome.figures[mode] = rows[0] if rows and code == 0 else {"error": skipped_or_failed(code, mode, text)}
+            if mode.endswith("_graphs") and (stepped := outcome.figures.get(mode.removesuffix("_graphs"))):
+                outcome.figures[mode]["replay_drift"] = replay_drift(stepped, outcome.figures[mode])
         failed = [m for m, f in outcome.figures.items() if f.get("error")]
         outcome.status = "ok" if not failed else f"failed: {', '.join(failed)}"
         return outcome
@@ -311,9 +325,11 @@ def table(outcomes: list[Outcome]) -> str:
         else:
             for mode in [m for m in PERF_MODES if m in f]:
                 r = f.get(mode, {})
+                drift = f"losses vs unreplayed: max rel diff {fmt(r['replay_drift'], '.1e')}; " \
+                    if "replay_drift" in r else ""
                 lines.append(f"| perf {mode} | {o.model} | {r.get('error') or o.status} | {fmt(r.get('tokens_per_s'))} "
                              f"| {fmt(r.get('mfu_percent'), '.1f')} | {fmt(r.get('peak_memory_gib'), '.1f')} "
-                             f"| {fmt(r.get('first_step_s'), '.0f')} | top kernels: {r.get('top_kernels', [])[:3]} |")
+                             f"| {fmt(r.get('first_step_s'), '.0f')} | {drift}top kernels: {r.get('top_kernels', [])[:3]} |")
     return "\n".join(lines)
 
 
@@ -343,7 +359,7 @@ def dry_run(session: Session) -> int:
             commands += [("train", first), ("train", with_steps(first, a.steps + 1)),
                          ("hf", hf_args(model, shape, a.work, a.steps + 1))]
         if "perf" in a.only:
-            commands += [("perf", perf_args(model, shape, mode)) for mode in perf_modes(model, shape)]
+            commands += [("perf", perf_args(model, shape, mode)) for mode in perf_modes(model, shape, a.perf_modes)]
         if "kernels" in a.only and model in KERNEL_RULES:
             commands.append(("kernels", kernels_args(model, shape)))
         for kind, args in commands:
@@ -369,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
     p.add_argument("--steps", type=int, default=6, help="training steps of the main section's first launch (6: four "
                    "after torchtitan's CUDA-graph warmup and capture)")
+    p.add_argument("--perf-modes", default=",".join(PERF_MODES),
+                   help=f"perf's bench_models modes, comma-separated: {', '.join(PERF_MODES)}")
     p.add_argument("--budget-s", type=float, default=510, help="wall-clock seconds for everything")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "outputs" / "gpu_session"))
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu_session"), help="checkpoints and exports")
@@ -377,7 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.only = args.only.split(",")
     args.models = args.models.split(",")
-    for value, allowed, flag in ((args.only, SECTIONS, "--only"), (args.models, MODELS, "--models")):
+    args.perf_modes = args.perf_modes.split(",")
+    for value, allowed, flag in ((args.only, SECTIONS, "--only"), (args.models, MODELS, "--models"),
+                                 (args.perf_modes, PERF_MODES, "--perf-modes")):
         if unknown := [v for v in value if v not in allowed]:
             p.error(f"{flag}: unknown {unknown}; choose from {', '.join(allowed)}")
     from torchtitan_ext.paths import default_tokenizer_dir

@@ -4,6 +4,7 @@ command it would run on the H100, and it reads torchtitan's logs into the figure
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -83,7 +84,8 @@ def session(tmp_path, **fields):
     import argparse
 
     args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", steps=2, budget_s=600, debug=False,
-                              tokenizer=tmp_path / "tok", only=["main", "perf"], models=["mela"], **fields)
+                              tokenizer=tmp_path / "tok", only=["main", "perf"], models=["mela"],
+                              **{"perf_modes": list(gpu_session.PERF_MODES), **fields})
     args.out.mkdir()
     return gpu_session.Session(args)
 
@@ -100,6 +102,32 @@ def test_perf_rows_with_an_empty_error_are_ok_and_a_command_without_time_is_skip
     assert outcome.status == ("failed: compiled, compiled_graphs, whole_sequence_compiled, "
                               "whole_sequence_compiled_graphs, eager, whole_sequence")
     assert outcome.figures["eager"]["error"] == "skipped: no time left for eager"
+
+
+def test_perf_runs_the_chosen_modes_and_compares_a_replay_with_the_same_steps_unreplayed(tmp_path, monkeypatch):
+    s = session(tmp_path, perf_modes=["compiled", "compiled_graphs"])
+    ran = []
+
+    def run(command, *a, **k):
+        replayed = "--cuda-graphs" in command
+        ran.append(replayed)
+        # unreplayed: steps 0..3 (step 0 the warmup); replayed: replays 1, 2 train steps 1, 2
+        losses = [2.0, 1.1] if replayed else [3.0, 2.0, 1.0, 0.5]
+        return 0, "JSON " + json.dumps({"tokens_per_s": 1.0, "error": "", "losses": losses}) + "\n"
+
+    monkeypatch.setattr(s, "run", run)
+    outcome = s.perf_section("mela")
+    assert ran == [False, True] and list(outcome.figures) == ["compiled", "compiled_graphs"]
+    assert outcome.figures["compiled_graphs"]["replay_drift"] == pytest.approx(0.1)
+    assert "compiled_graphs" not in outcome.figures["compiled"]
+    assert "max rel diff 1.0e-01" in gpu_session.table([outcome])
+    assert gpu_session.replay_drift({"losses": [3.0]}, {"losses": [2.0]}) is None
+
+
+def test_an_unknown_perf_mode_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu_session.main(["--dry-run", "--perf-modes", "compiled,turbo"])
+    assert stop.value.code == 2 and "--perf-modes: unknown ['turbo']" in capsys.readouterr().err
 
 
 def test_kernels_section_reads_the_check_and_skips_a_model_without_memory(tmp_path, monkeypatch):
