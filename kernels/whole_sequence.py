@@ -55,10 +55,6 @@ except ImportError:  # the torch reference needs no triton (a Hugging Face expor
     triton = _kernels = None
 
 HIDDEN_BLOCK = 16  # the kernels walk the hidden width in blocks of this many columns (16: no spills, `_blocks`)
-# The kernels' BF16 switch for bf16 products: 1 on a GPU; under TRITON_INTERPRET=1, 2 (operands
-# rounded to bf16, products in fp32: the same values), because Triton 3.9's interpreter returns
-# garbage for a bf16 dot (max error 2e10 on a 16 x 16 product).
-BF16_ON_DEVICE, BF16_INTERPRETED = 1, 2
 MAX_TILE = 128  # head_dim and chunk: whole tiles of one program (padded to a power of two)
 
 
@@ -176,13 +172,15 @@ def _group_buffers(q: torch.Tensor, hidden: int, every: int):
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().flatten(0, 1)
+    """(B, H, ...) -> (B*H, ...) fp32, contiguous: the kernels read fp32 inputs only. Their
+    bf16-input, bf16-operand variant failed on an H200 (Triton 3.6, 2026-11-28: an illegal
+    address at the Titans shape, wrong values at Mela's); the fp32 one matched the reference."""
+    return t.to(torch.float32).contiguous().flatten(0, 1)
 
 
 def _launch_options(q, s1, ns_steps, bf16_products, limit):
     a, b, c = MUON_COEFFICIENTS
-    bf16 = 0 if not bf16_products else BF16_INTERPRETED if os.environ.get("TRITON_INTERPRET") == "1" else BF16_ON_DEVICE
-    return dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c, BF16=bf16,
+    return dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c, BF16=bf16_products,
                 LIMITED=limit is not None, num_stages=1, **_blocks(q.shape[-1], q.shape[-2], s1.shape[-1]))
 
 

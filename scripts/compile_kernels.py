@@ -34,17 +34,17 @@ from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability  
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import whole_sequence_triton  # noqa: E402
-from kernels.whole_sequence import BF16_ON_DEVICE, MUON_COEFFICIENTS, _blocks  # noqa: E402
+from kernels.whole_sequence import MUON_COEFFICIENTS, _blocks  # noqa: E402
 
 SHARED_LIMIT = {90: 232_448}  # opt-in shared memory per block, bytes
 # Spill stores or loads per thread a variant may have, per products, at the paper shape (Triton
 # 3.9, sm_90a), summed over the kernel and the functions it calls: the worst variant now, rounded
-# up. bf16 (the training default under autocast): the Newton-Schulz backward's 916 B of loads
-# (2,708 B stores / 6,460 B loads before issue 47's changes); the per-token backward 424 B, the
-# forwards none; with the surprise bound (--bound) the Newton-Schulz backward 1,100 B, the per-token
-# one 580 B. fp32 products (FMA units, for checks): the Newton-Schulz backward's 39,996 B.
-# Why not 0: kernels/whole_sequence_triton.py.
-MAX_SPILL_BYTES = {"bf16": 1_152, "fp32": 40_960}
+# up. Both products run on the FMA units since 2026-11-28 (bf16 tensor-core dots failed on an
+# H200: kernels/whole_sequence_triton.py), so both spill alike: bf16 (operands rounded to bf16,
+# the training default under autocast) the Newton-Schulz backward's 24,508 B of loads (with the
+# surprise bound, --bound), the per-token backward 4,544 B, the forwards <= 588 B; fp32 the
+# Newton-Schulz backward's 39,996 B. Why not 0: kernels/whole_sequence_triton.py.
+MAX_SPILL_BYTES = {"bf16": 25_600, "fp32": 40_960}
 RULES = {"token": (0, False), "newton_schulz": (5, True)}  # (ns_steps, read_after_write)
 INTEGERS = ("N", "G", "C", "D", "HD")
 
@@ -58,7 +58,7 @@ def compile_variant(kernel: str, rule: str, bf16: bool, dim: int, hidden: int, c
     blocks = _blocks(dim, chunk, hidden)
     num_warps = blocks.pop("num_warps")
     constants = dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c, RESIDUAL=False,
-                     READ_AFTER_WRITE=read_after_write, LIMITED=bound, BF16=BF16_ON_DEVICE if bf16 else 0,
+                     READ_AFTER_WRITE=read_after_write, LIMITED=bound, BF16=bf16,
                      **blocks)
     signature = {name: "constexpr" if name in constants else "*fp32" if name.endswith("_ptr") else
                  "i32" if name in INTEGERS else "fp32" for name in fn.arg_names}

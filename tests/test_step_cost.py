@@ -206,8 +206,8 @@ def test_whole_sequence_kernels_are_costed_once_per_call():
                            max(m.checkpoint_chunks, 1), backward=False)
     assert fwd.flops == pytest.approx(layers * flops)
     hw = short.hardware
-    assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads, bf16=True) - 1e-12
-    assert hw.program_flops(2 * m.n_heads, bf16=True) == hw.bf16_flops * 2 * m.n_heads / hw.sms
+    assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads) - 1e-12
+    assert hw.program_flops(2 * m.n_heads) == hw.fp32_flops * 2 * m.n_heads / hw.sms
     with pytest.raises(ValueError, match="no neural memory"):
         predict("transformer_debug", seq_len=64, whole_sequence=True)
 

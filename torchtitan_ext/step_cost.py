@@ -213,10 +213,11 @@ class Hardware:
             raise ValueError(f"unknown mode '{mode}': choose from {', '.join(MODES)}")
         return cls(**{"launch_s": LAUNCH_S[mode], **fields})
 
-    def program_flops(self, programs: int, bf16: bool) -> float:
-        """The FLOP/s of a kernel of `programs` one-SM programs (the whole-sequence kernels):
-        the bf16 peak (bf16 products) or the fp32 FMA peak, times the share of the SMs it occupies."""
-        return (self.bf16_flops if bf16 else self.fp32_flops) * min(programs, self.sms) / self.sms
+    def program_flops(self, programs: int) -> float:
+        """The FLOP/s of a kernel of `programs` one-SM programs (the whole-sequence kernels, whose
+        products run on the FMA units, bf16-rounded operands or not): the fp32 FMA peak times the
+        share of the SMs it occupies."""
+        return self.fp32_flops * min(programs, self.sms) / self.sms
 
     def peak(self, dtype: torch.dtype | None) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -594,8 +595,7 @@ class _Recorder:
         launches = 1
         if kind == "memory_kernel":  # kernels/whole_sequence.py: one launch of (batch x heads) programs
             flops, nbytes, programs = whole_sequence_kernel_cost(func, args, kwargs)
-            # bf16 products under bf16 autocast, as the layer asks on CUDA (meta has no autocast)
-            compute = max(flops / hw.program_flops(programs, self.bf16), nbytes / hw.bytes_per_s)
+            compute = max(flops / hw.program_flops(programs), nbytes / hw.bytes_per_s)
             self._book(func.overloadpacket.__name__, cls, tag, Cost(1, flops, nbytes, compute, hw.launch_s), False)
             return
         if kind == "multi":

@@ -270,6 +270,14 @@ class MemoryState(NamedTuple):
         return MemoryState(*(tuple(t.detach() for t in part) for part in self[:3]), self.conv.detach())
 
 
+def _memory_state(weights, momentum, pending, conv) -> MemoryState:
+    """A new MemoryState from its four parts, by the constructor, never `_replace`: a state
+    made by `_replace` inside a graph torch 2.11 compiled came back to Python malformed (its
+    fields raised IndexError when the next compiled call read them; Mela on an H200,
+    2026-11-28)."""
+    return MemoryState(weights, momentum, pending, conv)
+
+
 class UpdateRule(NamedTuple):
     """How each chunk is written and read (the config's fields of the same names).
     `backend`: gates="chunk", `kernels.memory_update`'s backend; gates="token", the fused chunk
@@ -460,7 +468,7 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
     sums = chunks * sum(w.shape[0] * w.shape[1] for w in weights) * (2 if rule.gates == "token" else 1)
     share = clipped / max(sums, 1) if rule.max_update_norm else None
-    return y, state._replace(weights=weights, momentum=momentum, pending=new_pending), share
+    return y, _memory_state(weights, momentum, new_pending, state.conv), share
 
 
 class NeuralMemory(nn.Module):
@@ -628,7 +636,7 @@ class NeuralMemory(nn.Module):
                                                  cfg.compiled_chunk_step, cfg.checkpoint_chunks)
         if recording_on():
             self._note_stats(start_weights, state, new[2:], clipped_share)
-        return y, state._replace(conv=conv)
+        return y, _memory_state(*state[:3], conv)
 
     def write_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`to_qkv` and `to_gates` stacked: weight (3 H d + 3 H, dim), bias (3 H d + 3 H,) (zero
