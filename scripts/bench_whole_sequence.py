@@ -8,9 +8,13 @@ against the chunk loop, per write rule.
 For each rule ("token": Titans' per-token rule; "newton_schulz": Mela's chunk rule with 5 NS
 steps, each chunk reading its own write):
 - check: `kernels.whole_sequence_memory` against `whole_sequence_reference` in float64 on the
-  same device, 2 chunks at the given widths, fp32 inputs: the largest error of the reads, the
-  final state and every input's gradient, relative to the reference's largest magnitude
-  (pass: below 1e-5, the tolerance of tests/test_whole_sequence.py);
+  same device, 4 chunks at the given widths with the options the rule's 400m layer runs
+  (`CHECKED`: the per-token rule with the surprise bound, limits from 1e-3 to 10 so that some
+  chunks clip, and the state kept every 2nd chunk; Newton-Schulz reading its own write): the
+  largest error of the reads, the final state and every input's gradient, relative to the
+  reference's largest magnitude. fp32 inputs and products: pass below 1e-5 (the tolerance of
+  tests/test_whole_sequence.py). bf16 inputs and products (what bf16 autocast runs): pass
+  within twice the error of the torch reference itself under bf16 autocast on that device;
 - time: one memory layer (`NeuralMemory`, dim = heads x head_dim) forward + backward at
   --seq-len, on the whole-sequence path and on the chunk loop, after one untimed step each
   (the kernels' compilation), bf16 autocast on CUDA: ms per step, tokens/s, the ratio.
@@ -31,37 +35,55 @@ from kernels.whole_sequence import refusal, whole_sequence_memory, whole_sequenc
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
 RULES = {"token": {}, "newton_schulz": {"gates": "chunk", "newton_schulz_steps": 5, "read_after_write": True}}
+# what `check` runs per rule, as the rule's 400m layer does: (surprise bound, checkpoint_every)
+CHECKED = {"token": (True, 2), "newton_schulz": (False, 1)}
 TOLERANCE = 1e-5
 
 
-def check(rule: str, device: torch.device, heads: int, chunk: int, dim: int, hidden: int) -> float:
-    """The largest relative error of the kernels against the float64 reference (module docstring)."""
+def check(rule: str, device: torch.device, heads: int, chunk: int, dim: int, hidden: int,
+          bf16: bool = False) -> tuple[float, float | None]:
+    """(the kernels' largest relative error against the float64 reference, and with `bf16`
+    that of the torch reference under bf16 autocast, else None) (module docstring)."""
     ns_steps = RULES[rule].get("newton_schulz_steps", 0)
+    bounded, checkpoint_every = CHECKED[rule]
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def draw(*shape, scale=1.0):
         return (scale * torch.randn(*shape, generator=g)).to(device)
 
-    batch, chunks = 1, 2
+    batch, chunks = 1, 4
     q, k = (F.normalize(draw(batch, heads, chunks, chunk, dim), dim=-1) for _ in range(2))
     v = draw(batch, heads, chunks, chunk, dim)
     weightings = 1 if ns_steps else 2
     token_weights = 0.01 * draw(batch, heads, chunks, chunk, weightings).abs() * (1 if ns_steps else -1)
     gates = draw(batch, heads, chunks, *((2,) if ns_steps else (2, 2))).sigmoid() * 0.9
     state = (draw(batch, heads, 2, dim, hidden, scale=dim ** -0.5), draw(batch, heads, 2, hidden, dim, scale=hidden ** -0.5))
-    options = dict(ns_steps=ns_steps, read_after_write=bool(RULES[rule].get("read_after_write")))
-    tensors = [*state, q, k, v, token_weights, gates]
-    weights = None
-    results = []
-    for fn, dtype in ((whole_sequence_memory, torch.float32), (whole_sequence_reference, torch.float64)):
-        leaves = [t.to(dtype).requires_grad_() for t in tensors]
+    limit = 10 ** (4 * torch.rand(batch, heads, chunks, weightings, generator=g) - 3).to(device) if bounded else None
+    options = dict(ns_steps=ns_steps, read_after_write=bool(RULES[rule].get("read_after_write")), limit=limit)
+    inputs = [*state, *(t.to(torch.bfloat16) if bf16 else t for t in (q, k, v)), token_weights, gates]
+
+    def kernels(state, *rest, **options):
+        return whole_sequence_memory(state, *rest, checkpoint_every=checkpoint_every, bf16_products=bf16, **options)
+
+    def autocast_reference(*args, **options):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return whole_sequence_reference(*args, **options)
+
+    runs = [(kernels, None), (whole_sequence_reference, torch.float64)] + [(autocast_reference, torch.float32)] * bf16
+    weights, results = None, []
+    for fn, dtype in runs:
+        leaves = [(t if dtype is None else t.to(dtype)).requires_grad_() for t in inputs]
         y, final = fn(tuple(leaves[:2]), *leaves[2:], **options)
         outputs = [y, *final]
         if weights is None:
             weights = [torch.randn(o.shape, generator=g).to(device) for o in outputs]
-        loss = sum((o * w.to(o.dtype)).sum() for o, w in zip(outputs, weights))
+        loss = sum((o.float() * w).sum() for o, w in zip(outputs, weights))
         results.append([o.detach() for o in outputs] + list(torch.autograd.grad(loss, leaves)))
-    return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
+
+    def error(ours):
+        return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, results[1]))
+
+    return error(results[0]), error(results[2]) if bf16 else None
 
 
 def time_layer(rule: str, whole: bool, device: torch.device, batch: int, seq_len: int, heads: int, chunk: int,
@@ -118,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
           f"head_dim {a.head_dim}, hidden {a.hidden}")
     failed = False
     for rule in rules:
-        error = check(rule, device, a.heads, a.chunk, a.head_dim, a.hidden)
+        error, _ = check(rule, device, a.heads, a.chunk, a.head_dim, a.hidden)
+        bf16_error, autocast_error = check(rule, device, a.heads, a.chunk, a.head_dim, a.hidden, bf16=True)
         shape = (device, a.batch, a.seq_len, a.heads, a.chunk, a.head_dim, a.hidden, a.steps)
         whole, loop = (time_layer(rule, w, *shape) for w in (True, False))
-        ok = error < TOLERANCE
+        ok = error < TOLERANCE and bf16_error <= 2 * autocast_error
         failed |= not ok
-        row = {"rule": rule, "max_relative_error": error, "equal": ok, "whole_sequence_ms": 1e3 * whole,
+        row = {"rule": rule, "max_relative_error": error, "bf16_relative_error": bf16_error,
+               "autocast_relative_error": autocast_error, "equal": ok, "whole_sequence_ms": 1e3 * whole,
                "chunk_loop_ms": 1e3 * loop, "speedup": loop / whole, "tokens_per_s": a.batch * a.seq_len / whole}
-        print(f"{rule:<14} vs reference {error:.1e} ({'equal' if ok else 'NOT equal'}); layer fwd+bwd "
+        print(f"{rule:<14} vs reference {error:.1e} fp32, {bf16_error:.1e} bf16 (torch under autocast "
+              f"{autocast_error:.1e}) ({'equal' if ok else 'NOT equal'}); layer fwd+bwd "
               f"{row['whole_sequence_ms']:.1f} ms whole-sequence vs {row['chunk_loop_ms']:.1f} ms chunk loop "
               f"({row['speedup']:.2f}x)")
         if a.json:

@@ -318,7 +318,9 @@ def table(outcomes: list[Outcome]) -> str:
             lines.append(f"| main | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} | {fmt(f.get('mfu_percent'), '.1f')} "
                          f"| {fmt(f.get('peak_memory_gib'), '.1f')} | {fmt(f.get('first_step_s'), '.0f')} | {detail} |")
         elif o.section == "kernels":
-            detail = (f"vs reference {f['max_relative_error']:.1e}; layer {f['whole_sequence_ms']:.1f} ms vs chunk loop "
+            detail = (f"vs reference {f['max_relative_error']:.1e} fp32, {f.get('bf16_relative_error', float('nan')):.1e} "
+                      f"bf16 (torch under autocast {f.get('autocast_relative_error', float('nan')):.1e}); "
+                      f"layer {f['whole_sequence_ms']:.1f} ms vs chunk loop "
                       f"{f['chunk_loop_ms']:.1f} ms ({f['speedup']:.2f}x)") if f else ""
             lines.append(f"| kernels {f.get('rule', '')} | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} "
                          f"| - | - | - | {detail} |")
