@@ -72,7 +72,7 @@ def token_step_rows(device: str, repeats: int) -> None:
     """ms per forward + backward of one per-token chunk step, by backend (module docstring)."""
     from kernels import token_chunk_step
     from models.memory.chunk_write import chunk_gates
-    from models.memory.neural_memory import chunk_step, UpdateRule
+    from models.memory.chunk_loop import chunk_step, UpdateRule
 
     g = torch.Generator().manual_seed(0)
     dim, hidden, chunk = 64, 256, 16

@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from kernels.reference import memory_update_reference, newton_schulz_reference
-from models.memory import neural_memory
+from models.memory import chunk_loop
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
 BASE = dict(dim=16, n_heads=2, head_dim=8, depth=2, expansion=2, chunk_size=4)
@@ -60,8 +60,8 @@ def forward_backward(memory: NeuralMemory, x: torch.Tensor) -> list[torch.Tensor
 def aot_eager_compiles(monkeypatch):
     """The model's and the kernels' compiled callables, built by `bounded_compile` as in
     production but with the "aot_eager" backend (module docstring); fresh for each test."""
-    step = kernels.bounded_compile(neural_memory.chunk_step, backend="aot_eager")
-    monkeypatch.setattr(neural_memory, "compiled_chunk_step", lambda: step)
+    step = kernels.bounded_compile(chunk_loop.chunk_step, backend="aot_eager")
+    monkeypatch.setattr(chunk_loop, "compiled_chunk_step", lambda: step)
     monkeypatch.setattr(kernels, "_compiled", functools.cache(lambda fn: kernels.bounded_compile(fn, backend="aot_eager")))
 
 

@@ -12,15 +12,8 @@ import torch.nn.functional as F
 from kernels.reference import newton_schulz_reference
 from models.layers.diagnostics import recording
 from models.memory.chunk_write import associative_grads, chunk_gates, clip_surprise, mlp_forward, surprise_limit
-from models.memory.neural_memory import (
-    chunk_step,
-    chunked_memory,
-    MemoryState,
-    NeuralMemory,
-    NeuralMemoryConfig,
-    SURPRISE_BOUND,
-    UpdateRule,
-)
+from models.memory.chunk_loop import chunk_step, chunked_memory, MemoryState, UpdateRule
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig, SURPRISE_BOUND
 
 
 

@@ -19,12 +19,8 @@ import kernels  # noqa: E402
 from kernels import token_step as ts  # noqa: E402
 from kernels.auto_table import AUTO_TABLE  # noqa: E402
 from models.memory.chunk_write import chunk_gates  # noqa: E402
-from models.memory.neural_memory import (  # noqa: E402
-    chunk_step,
-    NeuralMemory,
-    NeuralMemoryConfig,
-    UpdateRule,
-)
+from models.memory.chunk_loop import chunk_step, UpdateRule  # noqa: E402
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

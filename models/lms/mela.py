@@ -89,7 +89,8 @@ from torch import nn
 
 from models.layers.diagnostics import recording_on
 from models.layers.ffn import swiglu_hidden
-from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
+from models.memory.chunk_loop import MemoryState
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 from models.layers.decoder import Attention, DecoderBlock
 
 FUSIONS = ("mlp", "h_only", "weighted_sum")

@@ -54,7 +54,8 @@ from torch import nn
 from models.layers.diagnostics import recording_on
 from models.layers.attention import flex_block_mask, masked_attention
 from models.layers.ffn import SwiGLU, swiglu_hidden
-from models.memory.neural_memory import MemoryState, NeuralMemory, NeuralMemoryConfig
+from models.memory.chunk_loop import MemoryState
+from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 from models.layers.rope import apply_rope, rope_angles
 
 VARIANTS = ("mac", "mag", "mal", "lmm")
