@@ -1,4 +1,4 @@
-"""Where one training step's time goes on an H100, predicted on a CPU (torchtitan_ext/step_cost.py).
+"""Where one training step's time goes on an H100, predicted on a CPU (torchtitan_ext/step_cost/).
 
     python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2]
         [--mode eager|compiled|graphs] [--whole-sequence] [--tf32] [--launch-floor-us US] [--sync-us 20]

@@ -1,4 +1,4 @@
-"""torchtitan_ext/step_cost.py and scripts/step_cost.py: one training step recorded on the meta
+"""torchtitan_ext/step_cost/ and scripts/step_cost.py: one training step recorded on the meta
 device and costed on an H100 (issue 39). Debug flavors at short sequences: seconds in all."""
 
 from __future__ import annotations
