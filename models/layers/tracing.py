@@ -1,5 +1,5 @@
 """Whether model code is being traced by torch.compile, behind one name so that a cost model
-(`torchtitan_ext/step_cost.py`) can answer it for the regions it treats as compiled."""
+(`torchtitan_ext/step_cost/`) can answer it for the regions it treats as compiled."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ class Family:
     training compiles a model in place of torchtitan's per-block compile (None: that one);
     compiled_modules(model): the names of the submodules that compile compiles, each on its
     own (None: torchtitan's per-block compile, every child of `model.layers`), which
-    torchtitan_ext/step_cost.py costs as compiled and everything else as eager."""
+    torchtitan_ext/step_cost/ costs as compiled and everything else as eager."""
 
     name: str
     summary: str
