@@ -83,10 +83,10 @@ def reference_block(w: dict, x: torch.Tensor, positions: list[int], layout: str,
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_block_equals_its_written_out_definition_in_float64(case, traced, monkeypatch):
-    """Eagerly, and on the path torch.compile traces (q/k/v as one matmul: `Attention.project`)."""
-    import models.layers.decoder
+    """Eagerly, and on the path torch.compile traces (q/k/v as one matmul, `project_together`)."""
+    import models.layers.tracing
 
-    monkeypatch.setattr(models.layers.decoder, "compiling", lambda: traced)
+    monkeypatch.setattr(models.layers.tracing, "compiling", lambda: traced)
     options = dict(CASES[case])
     packed, layout, ffn = options.pop("packed"), options["rope"], options.get("ffn", "swiglu")
     torch.manual_seed(0)
@@ -108,7 +108,7 @@ def test_the_block_equals_its_written_out_definition_in_float64(case, traced, mo
 def test_the_traced_stacked_projection_keeps_a_lora_adapters_path(monkeypatch):
     """Traced by torch.compile, q/k/v (and W_g) run as one matmul over stacked weights, unless one is
     a LoRALinear: its low-rank path is not in its `weight` (float64, a non-zero B)."""
-    import models.layers.decoder
+    import models.layers.tracing
     from models.grafts.lora import LoRAConfig, LoRALinear
 
     torch.manual_seed(0)
@@ -120,7 +120,7 @@ def test_the_traced_stacked_projection_keeps_a_lora_adapters_path(monkeypatch):
     x, positions = torch.randn(2, 9, DIM, dtype=torch.float64), torch.arange(9)
     outputs = []
     for traced in (False, True):
-        monkeypatch.setattr(models.layers.decoder, "compiling", lambda: traced)
+        monkeypatch.setattr(models.layers.tracing, "compiling", lambda: traced)
         with torch.no_grad():
             outputs.append(block(x, positions))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)

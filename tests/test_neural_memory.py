@@ -311,8 +311,9 @@ def test_the_traced_conv_as_shifted_products_equals_the_eager_conv1d(monkeypatch
 
 def test_the_traced_single_input_projection_equals_the_two_eager_ones(monkeypatch):
     """`NeuralMemory.forward` on the path torch.compile traces (q/k/v and gate projections as
-    one matmul, `write_projection`) against its eager path: outputs, state and gradients (float64)."""
-    from models.memory import neural_memory
+    one matmul, `models.layers.tracing.project_together`) against its eager path: outputs, state and
+    gradients (float64)."""
+    from models.layers import tracing
 
     memory = make_memory(chunk_size=4)
     with torch.no_grad():
@@ -320,7 +321,7 @@ def test_the_traced_single_input_projection_equals_the_two_eager_ones(monkeypatc
     x = torch.randn(2, 10, 12, requires_grad=True)
     runs = []
     for traced in (False, True):
-        monkeypatch.setattr(neural_memory, "compiling", lambda: traced)
+        monkeypatch.setattr(tracing, "compiling", lambda: traced)
         memory.zero_grad()
         x.grad = None
         y, state = memory(x)

@@ -31,13 +31,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.layers.attention import document_causal_attention
 from models.layers.ffn import feed_forward
 from models.layers.diagnostics import recording_on
-from models.layers.tracing import compiling
+from models.layers.tracing import project_together
 from models.layers.rope import apply_half_rope, apply_rope, rope_angles, rope_inv_freq
 
 ROPE_LAYOUTS = ("pairs", "halves")
@@ -138,20 +137,6 @@ class Attention(nn.Module):
             return apply_rope(t, *rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta))
         return apply_half_rope(t, positions, self.inv_freq)
 
-    def _linears(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
-        """x (B, L, dim) through each of `linears` (all reading x). Traced by torch.compile, plain
-        nn.Linear layers run as one matmul over their stacked weights (one kernel forward and two
-        backward instead of one and two per linear; the same function); eagerly, or when any is
-        adapted (a LoRALinear, models/grafts/lora.py, adds its own path), one by one."""
-        if not compiling() or any(type(linear) is not nn.Linear for linear in linears):
-            return [linear(x) for linear in linears]
-        bias = None
-        if any(linear.bias is not None for linear in linears):
-            bias = torch.cat([x.new_zeros(linear.out_features) if linear.bias is None else linear.bias
-                              for linear in linears])
-        stacked = F.linear(x, torch.cat([linear.weight for linear in linears]), bias)
-        return list(stacked.split([linear.out_features for linear in linears], -1))
-
     def _rotated_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Projections (B, L, n * head_dim) -> heads (B, n, L, head_dim), q / k normed and rotated."""
         return (self._rope(self._heads(q, self.q_norm), positions), self._rope(self._heads(k, self.k_norm), positions),
@@ -159,8 +144,8 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x (B, L, dim), positions (L,) or (B, L) -> q (B, n_heads, L, head_dim), k and v
-        (B, n_kv_heads, L, head_dim): projected (`_linears`), q / k normed (`qk_norm`) and rotated."""
-        return self._rotated_heads(*self._linears(x, (self.wq, self.wk, self.wv)), positions)
+        (B, n_kv_heads, L, head_dim): projected (`project_together`), q / k normed (`qk_norm`) and rotated."""
+        return self._rotated_heads(*project_together(x, (self.wq, self.wk, self.wv)), positions)
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor):
         """x (B, L, dim), positions (L,) or (B, L) -> k, v (B, n_kv_heads, L, head_dim) as `project`'s."""
@@ -180,9 +165,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None = None):
         """x (B, L, dim); positions (L,) or (B, L) for RoPE; doc_positions (B, L) or None for masking.
-        q, k, v and the output gate's W_g x are projected together (`_linears`)."""
+        q, k, v and the output gate's W_g x are projected together (`project_together`)."""
         gated = (self.wg,) if self.wg is not None else ()
-        q, k, v, *gate_logits = self._linears(x, (self.wq, self.wk, self.wv, *gated))
+        q, k, v, *gate_logits = project_together(x, (self.wq, self.wk, self.wv, *gated))
         q, k, v = self._rotated_heads(q, k, v, positions)
         if self.cfg.prefix_keys and recording_on():
             self._note_prefix_mass(q, k)

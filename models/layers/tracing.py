@@ -1,11 +1,35 @@
-"""Whether model code is being traced by torch.compile, behind one name so that a cost model
-(`torchtitan_ext/step_cost/`) can answer it for the regions it treats as compiled."""
+"""What model code does differently while torch.compile traces it: `compiling()` behind one
+name (so that a cost model, `torchtitan_ext/step_cost/`, can answer it for the regions it
+treats as compiled), and linear maps of one input run as one matmul there (`project_together`)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 def compiling() -> bool:
     """True while torch.compile traces the calling code (`torch.compiler.is_compiling`)."""
     return torch.compiler.is_compiling()
+
+
+def stacked(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of `linears` (nn.Linear of one input width) stacked along their outputs
+    (sum of out_features, in_features), and their biases likewise (zero where one has none;
+    None when none has): one linear map whose output splits into theirs."""
+    weight = torch.cat([linear.weight for linear in linears])
+    if all(linear.bias is None for linear in linears):
+        return weight, None
+    return weight, torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
+                              for linear in linears])
+
+
+def project_together(x: torch.Tensor, linears) -> list[torch.Tensor]:
+    """x (..., in) through each of `linears`. Traced by torch.compile and all plain nn.Linear,
+    one matmul over their `stacked` weights (one kernel forward and two backward instead of one
+    and two each; the same function, other rounding); eagerly, or when one is adapted (a
+    LoRALinear, models/grafts/lora.py, adds its own path), one by one."""
+    if not compiling() or any(type(linear) is not nn.Linear for linear in linears):
+        return [linear(x) for linear in linears]
+    return list(F.linear(x, *stacked(linears)).split([linear.out_features for linear in linears], -1))

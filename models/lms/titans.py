@@ -57,6 +57,7 @@ from models.layers.ffn import SwiGLU, swiglu_hidden
 from models.memory.chunk_loop import MemoryState
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 from models.layers.rope import apply_rope, rope_angles
+from models.layers.tracing import stacked
 
 VARIANTS = ("mac", "mag", "mal", "lmm")
 GATES = ("paper", "convex")
@@ -285,10 +286,10 @@ class TitansBlock(nn.Module):
         values = attention._heads(attention.wv(h))
         prefix_k, prefix_v = attention.prefix_heads(batch)
         read_q, read_gate = memory.read_queries(h, segment).to(state.weights[0].dtype), memory.output_gate(h)
-        read_kv = torch.cat([attention.wk.weight, attention.wv.weight])
+        read_kv, _ = stacked((attention.wk, attention.wv))
         if memory.cfg.output_proj:
             read_kv = read_kv @ memory.out.weight
-        write_weight, write_bias = memory.write_projection()
+        write_weight, write_bias = stacked((memory.to_qkv, memory.to_gates))
         if cfg.mac_write == "attention":
             write_weight = write_weight @ attention.wo.weight
         else:

@@ -150,7 +150,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.diagnostics import recording_on
-from models.layers.tracing import compiling
+from models.layers.tracing import compiling, project_together
 from models.memory.chunk_loop import MemoryState, UpdateRule, memory_state, chunked_memory
 from models.memory.chunk_write import mlp_forward
 
@@ -411,25 +411,12 @@ class NeuralMemory(nn.Module):
             self._note_stats(start_weights, state, new[2:], clipped_share)
         return y, memory_state(*state[:3], conv)
 
-    def write_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`to_qkv` and `to_gates` stacked: weight (3 H d + 3 H, dim), bias (3 H d + 3 H,) (zero
-        for q/k/v). Its output splits at 3 H d into `write`'s two inputs."""
-        bias = self.to_gates.bias
-        return (torch.cat([self.to_qkv.weight, self.to_gates.weight]),
-                torch.cat([bias.new_zeros(self.to_qkv.out_features), bias]))
-
     def forward(self, x: torch.Tensor, state: MemoryState | None = None):
         """x (B, T, dim) written and read from `state` (None: fresh) -> (y (B, T, dim), new state).
-        Traced by torch.compile, the two input projections run as one matmul
-        (`write_projection`; the same function)."""
+        Traced by torch.compile, the two input projections run as one matmul (`project_together`)."""
         if state is None:
             state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
-        if compiling() and type(self.to_qkv) is type(self.to_gates) is nn.Linear:  # not an adapted (LoRA) one
-            projected = F.linear(x, *self.write_projection())
-            qkv, gate_logits = projected.split([self.to_qkv.out_features, self.to_gates.out_features], -1)
-        else:
-            qkv, gate_logits = self.to_qkv(x), self.to_gates(x)
-        y, state = self.write(qkv, gate_logits, state)
+        y, state = self.write(*project_together(x, (self.to_qkv, self.to_gates)), state)
         return self._output(y, x), state
 
     def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor | None) -> None:
