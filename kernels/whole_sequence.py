@@ -298,8 +298,8 @@ def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 
     """The Triton path of the module docstring's rule: (y (B, H, N, C, d) fp32, final state
     (two (B, H, 2, in, out) fp32)), and with `return_scales` the bound's scales (B*H, N, 2, K)
     fp32 = [matrix][weighting] of every chunk (1 where it did not clip; (0,) without a bound); the state entering every `checkpoint_every`-th chunk is kept
-    for the backward; `bf16_products`: the fast-weight products from bf16 operands (as bf16
-    autocast runs the chunk loop's), else fp32 exactly; `limit` (B, H, N, K) the surprise bound
+    for the backward; `bf16_products`: the fast-weight products from bf16-rounded operands (the
+    values bf16 autocast gives the chunk loop's; multiplied in fp32 on the FMA units), else fp32 exactly; `limit` (B, H, N, K) the surprise bound
     of each chunk's G_m (module docstring; models/memory/chunk_write.py `surprise_limit`), None
     unbounded. ValueError naming the reason where it cannot run (`refusal`)."""
     reason = refusal(state, q, k, v, token_weights, gates, ns_steps)

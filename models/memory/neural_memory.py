@@ -83,8 +83,8 @@ Choices where the papers are silent (tested):
   one Triton launch forward and one backward per layer whatever T (the chunk loop's launches
   grow with T), the state entering every `checkpoint_chunks`-th chunk (every chunk's at 0)
   kept for the backward, which recomputes the rest from it (`compiled_chunk_step` does not
-  apply to it). Under bf16 autocast its fast-weight products take bf16 operands, as autocast
-  gives the chunk loop's matmuls; the state and its update stay fp32; the surprise bound
+  apply to it). Under bf16 autocast its fast-weight products take bf16-rounded operands (the values
+  autocast gives the chunk loop's matmuls; multiplied on the FMA units, kernels/whole_sequence_triton.py); the state and its update stay fp32; the surprise bound
   (`max_update_norm`) is applied inside the kernels, as the chunk loop applies it. Depth 2,
   float32 state, a CUDA device (TRITON_INTERPRET=1 on CPU); anything else runs the chunk loop after a warning naming why. Off by default until
   a GPU measures it faster.
