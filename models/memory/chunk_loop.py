@@ -186,7 +186,10 @@ def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: Upda
     bf16 = device in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device) and \
         torch.get_autocast_dtype(device) == torch.bfloat16  # the chunk loop's matmuls would be bf16 too
     limit = surprise_limit(token_weights, rule.max_update_norm) if rule.max_update_norm else None
-    y, state, scales = whole_sequence_memory(stacked, q, k, v, token_weights, gates, rule.ns_steps, rule.step_scale,
+    # fp32 here, where torch.compile fuses the cast into the op producing q/k/v: the kernels read fp32 only
+    # (kernels/whole_sequence.py `_flat`), and a cast inside the opaque custom op would be a launch of its own
+    y, state, scales = whole_sequence_memory(stacked, *(t.float() for t in (q, k, v)), token_weights, gates,
+                                             rule.ns_steps, rule.step_scale,
                                              rule.residual, rule.read_after_write, checkpoint_every, bf16, limit,
                                              return_scales=True)
     if limit is not None and rule.gates != "token":  # the mix form's two sums are one (s G, G): count G once
