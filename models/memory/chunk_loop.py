@@ -29,7 +29,12 @@ class MemoryState(NamedTuple):
     """weights, momentum: tuples of (B, H, in, out) in the state dtype; `pending` holds the
     (k, v, theta, log_eta, log_keep) of a not-yet-complete chunk: (B, H, n, d) / (B, H, n),
     log_keep = log(1 - alpha); `conv` (B, conv_kernel - 1, 3 * H * d) the last q/k/v
-    projections before the conv (empty when there is no conv)."""
+    projections before the conv (empty when there is no conv).
+
+    Code that torch.compile traces builds a new state with the constructor, never `_replace`:
+    a state made by `_replace` inside a graph torch 2.11 compiled came back to Python malformed
+    (its fields raised IndexError when the next compiled call read them; Mela on an H200,
+    2026-11-28; reproduced on CPU under torch 2.11)."""
 
     weights: tuple[torch.Tensor, ...]
     momentum: tuple[torch.Tensor, ...]
@@ -38,14 +43,6 @@ class MemoryState(NamedTuple):
 
     def detach(self) -> "MemoryState":
         return MemoryState(*(tuple(t.detach() for t in part) for part in self[:3]), self.conv.detach())
-
-
-def memory_state(weights, momentum, pending, conv) -> MemoryState:
-    """A new MemoryState from its four parts, by the constructor, never `_replace`: a state
-    made by `_replace` inside a graph torch 2.11 compiled came back to Python malformed (its
-    fields raised IndexError when the next compiled call read them; Mela on an H200,
-    2026-11-28)."""
-    return MemoryState(weights, momentum, pending, conv)
 
 
 class UpdateRule(NamedTuple):
@@ -241,4 +238,4 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
     sums = chunks * sum(w.shape[0] * w.shape[1] for w in weights) * (2 if rule.gates == "token" else 1)
     share = clipped / max(sums, 1) if rule.max_update_norm else None
-    return y, memory_state(weights, momentum, new_pending, state.conv), share
+    return y, MemoryState(weights, momentum, new_pending, state.conv), share

@@ -151,7 +151,7 @@ from torch import nn
 
 from models.layers.diagnostics import recording_on
 from models.layers.tracing import compiling, project_together
-from models.memory.chunk_loop import MemoryState, UpdateRule, memory_state, chunked_memory
+from models.memory.chunk_loop import MemoryState, UpdateRule, chunked_memory
 from models.memory.chunk_write import mlp_forward
 
 GATE_RULES = ("token", "chunk")
@@ -409,7 +409,7 @@ class NeuralMemory(nn.Module):
                                                  cfg.compiled_chunk_step, cfg.checkpoint_chunks)
         if recording_on():
             self._note_stats(start_weights, state, new[2:], clipped_share)
-        return y, memory_state(*state[:3], conv)
+        return y, MemoryState(*state[:3], conv)  # the constructor, not _replace (MemoryState)
 
     def forward(self, x: torch.Tensor, state: MemoryState | None = None):
         """x (B, T, dim) written and read from `state` (None: fresh) -> (y (B, T, dim), new state).
