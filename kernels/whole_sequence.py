@@ -45,6 +45,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels import ptxas
 from kernels.reference import MUON_COEFFICIENTS, newton_schulz_reference
 
 try:
@@ -56,6 +57,7 @@ except ImportError:  # the torch reference needs no triton (a Hugging Face expor
 
 HIDDEN_BLOCK = 16  # the kernels walk the hidden width in blocks of this many columns (16: no spills, `_blocks`)
 MAX_TILE = 128  # head_dim and chunk: whole tiles of one program (padded to a power of two)
+FP32, TENSOR_CORES, FMA_BF16 = 0, 1, 2  # the kernels' BF16 switch (whole_sequence_triton._dot_add)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,16 +174,32 @@ def _group_buffers(q: torch.Tensor, hidden: int, every: int):
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, ...) -> (B*H, ...) fp32, contiguous: the kernels read fp32 inputs only. Their
-    bf16-input, bf16-operand variant failed on an H200 (Triton 3.6, 2026-11-28: an illegal
-    address at the Titans shape, wrong values at Mela's); the fp32 one matched the reference."""
+    """(B, H, ...) -> (B*H, ...) fp32, contiguous: the kernels read fp32 inputs only (the layer
+    casts q, k, v before the op, where torch.compile fuses the cast into their producer)."""
     return t.to(torch.float32).contiguous().flatten(0, 1)
+
+
+def products(bf16_products: bool, device: torch.device) -> int:
+    """The kernels' BF16 switch: FP32 without bf16 products; with them TENSOR_CORES on a GPU
+    whose Triton ptxas is safe for them (kernels/ptxas.py), else FMA_BF16 (bf16-rounded operands
+    on the FMA units: the same values; warned once), also under TRITON_INTERPRET=1, whose bf16
+    dot is wrong (Triton 3.9: error 2e10 on a 16 x 16 product)."""
+    if not bf16_products:
+        return FP32
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return FMA_BF16
+    arch = ptxas.arch_of(device)
+    if ptxas.tensor_core_products(arch, ptxas.version_of(ptxas.triton_ptxas(arch) or "")):
+        return TENSOR_CORES
+    ptxas.warn_fma_fallback(arch)
+    return FMA_BF16
 
 
 def _launch_options(q, s1, ns_steps, bf16_products, limit):
     a, b, c = MUON_COEFFICIENTS
-    return dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c, BF16=bf16_products,
-                LIMITED=limit is not None, num_stages=1, **_blocks(q.shape[-1], q.shape[-2], s1.shape[-1]))
+    return dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c,
+                BF16=products(bf16_products, q.device), LIMITED=limit is not None, num_stages=1,
+                **_blocks(q.shape[-1], q.shape[-2], s1.shape[-1]))
 
 
 def _scales(q: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
@@ -298,8 +316,9 @@ def whole_sequence_memory(state, q, k, v, token_weights, gates, ns_steps: int = 
     """The Triton path of the module docstring's rule: (y (B, H, N, C, d) fp32, final state
     (two (B, H, 2, in, out) fp32)), and with `return_scales` the bound's scales (B*H, N, 2, K)
     fp32 = [matrix][weighting] of every chunk (1 where it did not clip; (0,) without a bound); the state entering every `checkpoint_every`-th chunk is kept
-    for the backward; `bf16_products`: the fast-weight products from bf16-rounded operands (the
-    values bf16 autocast gives the chunk loop's; multiplied in fp32 on the FMA units), else fp32 exactly; `limit` (B, H, N, K) the surprise bound
+    for the backward; `bf16_products`: the fast-weight products from bf16 operands (the values
+    bf16 autocast gives the chunk loop's; on the tensor cores where `products` allows), else
+    fp32 exactly; `limit` (B, H, N, K) the surprise bound
     of each chunk's G_m (module docstring; models/memory/chunk_write.py `surprise_limit`), None
     unbounded. ValueError naming the reason where it cannot run (`refusal`)."""
     reason = refusal(state, q, k, v, token_weights, gates, ns_steps)

@@ -39,12 +39,14 @@ transposed through its strides: NS(X^T) = NS(X)^T); its iterates go to a scratch
 (B*H, 2, NS_STEPS, D, HD) in the backward. A barrier separates every pass that writes a
 buffer from the next pass that reads it (one program is one block of threads).
 
-The products (`_dot`) run on the FMA units ("ieee"), with BF16 from operands rounded to bf16
-(the values bf16 autocast gives the chunk loop's fast-weight matmuls; the state, its update
-and every accumulation stay fp32), else from fp32 operands (fp32 exactly, for checks and fp32
-training). Not bf16 tensor-core dots: on an H200 (Triton 3.6) that variant crashed or gave wrong
-values (`whole_sequence._flat`); Triton 3.9's interpreter also computes a bf16 dot wrongly. Not TF32 (tf32x3): its
-split operands need more shared memory than an H100 block has. Shared memory of each kernel at
+The products (`_dot`) take fp32 operands on the FMA units ("ieee": fp32 exactly, for checks
+and fp32 training), or with BF16 bf16 operands, as bf16 autocast runs the chunk loop's
+fast-weight matmuls (the state, its update and every accumulation stay fp32): on the tensor
+cores (BF16 1) where the ptxas is safe for them (kernels/ptxas.py: on Hopper, ptxas before 13.3
+corrupts a wgmma whose operand comes from registers, as most here do; Triton 3.6's 12.8 crashed
+this variant and gave wrong values on an H200), else (BF16 2, and under TRITON_INTERPRET=1,
+whose bf16 dot is wrong) as bf16-rounded operands on the FMA units, the same values. Not TF32
+(tf32x3): its split operands need more shared memory than an H100 block has. Shared memory of each kernel at
 the paper shape, compiled for sm_90 without a GPU (`scripts/compile_kernels.py`), is in
 docs/benchmarks.md; launches use num_stages=1 (the hidden-block loops are not pipelined: the
 pipeline's copies of the state blocks would not fit).
@@ -72,13 +74,18 @@ def _store(ptr, value, rows, cols, n_rows, n_cols, stride_r, stride_c):
 
 @triton.jit
 def _dot_add(acc, a, b, BF16: tl.constexpr):
-    """acc + a @ b accumulated in fp32 (acc None: 0), in the product's own accumulator, on the
-    FMA units ("ieee"): BF16, the operands rounded to bf16 first (the products bf16 autocast
-    gives the chunk loop's fast-weight matmuls, exactly: a product of two bf16 values is exact
-    in fp32); else fp32 operands (fp32 exactly)."""
-    if BF16:
-        a, b = a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32)
-    return tl.dot(a, b, acc, input_precision="ieee")
+    """acc + a @ b accumulated in fp32 (acc None: 0), in the product's own accumulator. BF16
+    (`whole_sequence.products`): 0, fp32 operands on the FMA units ("ieee": fp32 exactly);
+    1, bf16 operands on the tensor cores (what bf16 autocast gives the chunk loop's fast-weight
+    matmuls); 2, the same values on the FMA units, the operands rounded to bf16 first (a product
+    of two bf16 values is exact in fp32)."""
+    if BF16 == 1:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    elif BF16 == 2:
+        out = tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    return out
 
 
 @triton.jit

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.ptxas import arch_of, use_fixed_ptxas
 from models.memory.neural_memory import use_whole_sequence
 from torchtitan_ext.families import family_and_overrides
 from torchtitan_ext.plain_step import build, fitted_length, inputs, loss_of
@@ -226,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         args.batch, args.seq_len, args.steps, args.warmup, args.fp32 = 2, 64, 2, 1, True
     device = torch.device(args.device)
     bf16 = device.type == "cuda" and not args.fp32
+    if fixed := use_fixed_ptxas(arch_of(device)):
+        print(f"Triton assembles Hopper kernels with {fixed} (kernels/ptxas.py)")
     torch.manual_seed(0)
     peak, source = device_peak(device, bf16)
     print(f"torch {torch.__version__}; {source}; {'bf16 autocast' if bf16 else 'fp32'}"

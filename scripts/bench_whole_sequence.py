@@ -13,8 +13,10 @@ steps, each chunk reading its own write):
   chunks clip, and the state kept every 2nd chunk; Newton-Schulz reading its own write): the
   largest error of the reads, the final state and every input's gradient, relative to the
   reference's largest magnitude. fp32 inputs and products: pass below 1e-5 (the tolerance of
-  tests/test_whole_sequence.py). bf16 inputs and products (what bf16 autocast runs): pass
-  within twice the error of the torch reference itself under bf16 autocast on that device;
+  tests/test_whole_sequence.py). bf16 inputs and products (what bf16 autocast runs; on the
+  tensor cores where kernels/ptxas.py allows, after pointing Triton at a fixed ptxas if one is
+  installed, else on the FMA units: the header and each JSON row say which): pass within twice
+  the error of the torch reference itself under bf16 autocast on that device;
 - time: one memory layer (`NeuralMemory`, dim = heads x head_dim) forward + backward at
   --seq-len, on the whole-sequence path and on the chunk loop, after one untimed step each
   (the kernels' compilation), bf16 autocast on CUDA: ms per step, tokens/s, the ratio.
@@ -31,7 +33,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.whole_sequence import refusal, whole_sequence_memory, whole_sequence_reference
+from kernels import ptxas
+from kernels.whole_sequence import TENSOR_CORES, products, refusal, whole_sequence_memory, whole_sequence_reference
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 
 RULES = {"token": {}, "newton_schulz": {"gates": "chunk", "newton_schulz_steps": 5, "read_after_write": True}}
@@ -136,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                          probe.new_zeros(1, 1, 1, 2, 2), 0):
         print(f"bench_whole_sequence: the kernels cannot run here: {reason}", file=sys.stderr)
         return 2
+    ptxas.use_fixed_ptxas(ptxas.arch_of(device))
+    assembler = ptxas.triton_ptxas(ptxas.arch_of(device) or ptxas.HOPPER) if device.type == "cuda" else None
+    units = "tensor cores" if products(True, device) == TENSOR_CORES else "FMA units"
     print(f"torch {torch.__version__}; {device}; batch {a.batch}, {a.heads} heads, seq {a.seq_len}, chunk {a.chunk}, "
-          f"head_dim {a.head_dim}, hidden {a.hidden}")
+          f"head_dim {a.head_dim}, hidden {a.hidden}; bf16 products on the {units}"
+          f"{f' (ptxas {assembler})' if assembler else ''}")
     failed = False
     for rule in rules:
         error, _ = check(rule, device, a.heads, a.chunk, a.head_dim, a.hidden)
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         whole, loop = (time_layer(rule, w, *shape) for w in (True, False))
         ok = error < TOLERANCE and bf16_error <= 2 * autocast_error
         failed |= not ok
-        row = {"rule": rule, "max_relative_error": error, "bf16_relative_error": bf16_error,
+        row = {"rule": rule, "bf16_product_units": units, "ptxas": assembler, "max_relative_error": error, "bf16_relative_error": bf16_error,
                "autocast_relative_error": autocast_error, "equal": ok, "whole_sequence_ms": 1e3 * whole,
                "chunk_loop_ms": 1e3 * loop, "speedup": loop / whole, "tokens_per_s": a.batch * a.seq_len / whole}
         print(f"{rule:<14} vs reference {error:.1e} fp32, {bf16_error:.1e} bf16 (torch under autocast "

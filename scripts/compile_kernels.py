@@ -2,11 +2,13 @@
 each fits a block's shared memory and does not spill registers beyond a bound.
 
     python scripts/compile_kernels.py [--head-dim 64 --hidden 256 --chunk 64] [--arch 90]
-        [--only fwd,bwd] [--rules token,newton_schulz] [--products fp32,bf16] [--max-spill BYTES]
+        [--only fwd,bwd] [--rules token,newton_schulz] [--products fp32,bf16,bf16_fma] [--max-spill BYTES]
 
 Triton's own compiler (its bundled CUDA backend and ptxas) builds each kernel variant the
 launch would build: the layer's rule (the per-token mix; Newton-Schulz, read after write),
-fp32 or bf16 products, with the launch options of kernels/whole_sequence.py (blocks, warps,
+fp32 products, bf16 products on the tensor cores (`bf16`, what a Hopper launch runs with a
+ptxas >= 13.3: kernels/ptxas.py) or on the FMA units (`bf16_fma`, with an older ptxas), with the
+launch options of kernels/whole_sequence.py (blocks, warps,
 num_stages=1). It prints per variant the registers per thread and the spill stores / loads
 (bytes per thread), read from ptxas's report (`ptxas -v` run again on the kernel's PTX: Triton
 reads registers and spills only when it loads a kernel on a GPU), the shared memory each needs
@@ -34,31 +36,34 @@ from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability  
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import whole_sequence_triton  # noqa: E402
-from kernels.whole_sequence import MUON_COEFFICIENTS, _blocks  # noqa: E402
+from kernels.whole_sequence import FMA_BF16, FP32, MUON_COEFFICIENTS, TENSOR_CORES, _blocks  # noqa: E402
 
 SHARED_LIMIT = {90: 232_448}  # opt-in shared memory per block, bytes
 # Spill stores or loads per thread a variant may have, per products, at the paper shape (Triton
-# 3.9, sm_90a), summed over the kernel and the functions it calls: the worst variant now, rounded
-# up. Both products run on the FMA units since 2026-11-28 (bf16 tensor-core dots failed on an
-# H200: kernels/whole_sequence_triton.py), so both spill alike: bf16 (operands rounded to bf16,
-# the training default under autocast) the Newton-Schulz backward's 24,508 B of loads (with the
-# surprise bound, --bound), the per-token backward 4,544 B, the forwards <= 588 B; fp32 the
+# 3.9, sm_90a, its ptxas 13.4), summed over the kernel and the functions it calls: the worst variant
+# now, rounded up. bf16 on the tensor cores (the training default under autocast with a fixed
+# ptxas): the Newton-Schulz backward's 1,100 B of loads with the surprise bound (--bound; 916 B
+# without), the per-token backward 580 B (424 B), the forwards none. bf16 on the FMA units
+# (operands rounded to bf16: Hopper with an older ptxas): the Newton-Schulz backward's 24,508 B
+# (with the bound), the per-token backward 4,544 B, the forwards <= 588 B. fp32: the
 # Newton-Schulz backward's 39,996 B. Why not 0: kernels/whole_sequence_triton.py.
-MAX_SPILL_BYTES = {"bf16": 25_600, "fp32": 40_960}
+MAX_SPILL_BYTES = {"bf16": 1_152, "bf16_fma": 25_600, "fp32": 40_960}
+PRODUCTS = {"fp32": FP32, "bf16": TENSOR_CORES, "bf16_fma": FMA_BF16}  # the kernels' BF16 switch
 RULES = {"token": (0, False), "newton_schulz": (5, True)}  # (ns_steps, read_after_write)
 INTEGERS = ("N", "G", "C", "D", "HD")
 
 
-def compile_variant(kernel: str, rule: str, bf16: bool, dim: int, hidden: int, chunk: int, arch: int,
+def compile_variant(kernel: str, rule: str, products: str, dim: int, hidden: int, chunk: int, arch: int,
                     bound: bool = False):
-    """The compiled kernel (Triton's CompiledKernel) of one variant (`bound`: with the surprise bound)."""
+    """The compiled kernel (Triton's CompiledKernel) of one variant (`products`: a PRODUCTS key;
+    `bound`: with the surprise bound)."""
     fn = getattr(whole_sequence_triton, f"whole_sequence_{kernel}")
     ns_steps, read_after_write = RULES[rule]
     a, b, c = MUON_COEFFICIENTS
     blocks = _blocks(dim, chunk, hidden)
     num_warps = blocks.pop("num_warps")
     constants = dict(K=1 if ns_steps else 2, NS_STEPS=ns_steps, A_COEF=a, B_COEF=b, C_COEF=c, RESIDUAL=False,
-                     READ_AFTER_WRITE=read_after_write, LIMITED=bound, BF16=bf16,
+                     READ_AFTER_WRITE=read_after_write, LIMITED=bound, BF16=PRODUCTS[products],
                      **blocks)
     signature = {name: "constexpr" if name in constants else "*fp32" if name.endswith("_ptr") else
                  "i32" if name in INTEGERS else "fp32" for name in fn.arg_names}
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT))
     p.add_argument("--only", default="fwd,bwd")
     p.add_argument("--rules", default=",".join(RULES))
-    p.add_argument("--products", default="fp32,bf16")
+    p.add_argument("--products", default=",".join(PRODUCTS), help=f"comma-separated: {', '.join(PRODUCTS)}")
     p.add_argument("--max-spill", type=int, default=None, help="one bound for all (default MAX_SPILL_BYTES)")
     p.add_argument("--bound", action="store_true", help="the variants with the surprise bound (`limit`)")
     a = p.parse_args(argv)
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             for products in a.products.split(","):
                 start = time.perf_counter()
                 try:
-                    compiled = compile_variant(kernel, rule, products == "bf16", a.head_dim, a.hidden, a.chunk, a.arch,
+                    compiled = compile_variant(kernel, rule, products, a.head_dim, a.hidden, a.chunk, a.arch,
                                                a.bound)
                     shared = compiled.metadata.shared
                     usage = ptxas_usage(compiled)

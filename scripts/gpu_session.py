@@ -25,6 +25,10 @@ Sections (`--only` picks some, so that a rerun fits what is left of a lease):
   kernels  scripts/bench_whole_sequence.py: the whole-sequence kernels against the torch
         reference on CUDA and one memory layer's step against the chunk loop, at head_dim 64,
         hidden 256, chunk 64, seq 4096 (titans_mac: the per-token rule; mela: Newton-Schulz).
+        With FIXED_PTXAS (a ptxas >= 13.3; gpu_session.sh unpacks the one gpu_wheels.sh packs)
+        every command runs Triton with it, so on Hopper the kernels' bf16 products take the
+        tensor cores (kernels/ptxas.py); if the kernels check fails with it, the commands after
+        it run without it (FMA products), and the table says so.
 Every command runs under the time left of `--budget-s` (each is cut at it; what does not start
 in time is reported as skipped). Results: one markdown table (`gpu_session.md`) and a JSON
 (`gpu_session.json`) under `--out`, beside one log per model of main and one of perf; checkpoints and
@@ -50,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from kernels import ptxas
 from torchtitan_ext.training.run_log import ANSI, last_line, parse_steps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,6 +210,10 @@ class Session:
         self.deadline = time.monotonic() + args.budget_s
         self.python = os.environ.get("PYTHON", sys.executable)
         self.shape = DEBUG if args.debug else LEASE
+        # FIXED_PTXAS (gpu_session.sh: a ptxas >= 13.3) for every command, until the kernels check
+        # fails with it (kernels/ptxas.py: on Hopper it lets the kernels use the tensor cores)
+        fixed = os.environ.get("FIXED_PTXAS")
+        self.ptxas_env = {name: fixed for name in ptxas.ENVS} if fixed else {}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -246,7 +255,7 @@ class Session:
         for stale in (work / config, work / f"{config}_hf"):  # a rerun on a warm machine starts afresh
             shutil.rmtree(stale, ignore_errors=True)
         first = train_args(model, shape, work, steps, self.args.tokenizer)
-        env = {"PYTHON": self.python, "WANDB_MODE": "disabled"}
+        env = {"PYTHON": self.python, "WANDB_MODE": "disabled", **self.ptxas_env}
         code, text = self.run(self.train_command(first), log, TIMEOUT_S["train"], env)
         outcome.figures = step_figures(text, shape.seq_len * BATCH)
         if code != 0:
@@ -277,7 +286,7 @@ class Session:
         log = self.args.out / "perf.log"
         for mode in perf_modes(model, self.shape, self.args.perf_modes):
             code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, mode)], log,
-                                  TIMEOUT_S["perf"])
+                                  TIMEOUT_S["perf"], self.ptxas_env)
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
             outcome.figures[mode] = rows[0] if rows and code == 0 else {"error": skipped_or_failed(code, mode, text)}
             if mode.endswith("_graphs") and (stepped := outcome.figures.get(mode.removesuffix("_graphs"))):
@@ -291,13 +300,16 @@ class Session:
         if model not in KERNEL_RULES:
             outcome.status = "skipped: no neural memory"
             return outcome
-        env = {"TRITON_INTERPRET": "1"} if self.shape.device == "cpu" else None
+        env = {"TRITON_INTERPRET": "1"} if self.shape.device == "cpu" else {}
         code, text = self.run([self.python, "scripts/bench_whole_sequence.py", *kernels_args(model, self.shape)],
-                              self.args.out / "kernels.log", TIMEOUT_S["kernels"], env)
+                              self.args.out / "kernels.log", TIMEOUT_S["kernels"], {**env, **self.ptxas_env})
         rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
         if rows:
             outcome.figures = rows[0]
         outcome.status = "ok" if code == 0 and rows else skipped_or_failed(code, "whole-sequence kernels", text)
+        if self.ptxas_env and outcome.status != "ok":  # the later commands run Triton's own ptxas (FMA products)
+            outcome.figures["fixed_ptxas"] = "dropped for the later commands"
+            self.ptxas_env = {}
         return outcome
 
 
@@ -319,9 +331,11 @@ def table(outcomes: list[Outcome]) -> str:
                          f"| {fmt(f.get('peak_memory_gib'), '.1f')} | {fmt(f.get('first_step_s'), '.0f')} | {detail} |")
         elif o.section == "kernels":
             detail = (f"vs reference {f['max_relative_error']:.1e} fp32, {f.get('bf16_relative_error', float('nan')):.1e} "
-                      f"bf16 (torch under autocast {f.get('autocast_relative_error', float('nan')):.1e}); "
+                      f"bf16 on the {f.get('bf16_product_units')} (ptxas {f.get('ptxas')}; torch under autocast "
+                      f"{f.get('autocast_relative_error', float('nan')):.1e}); {f.get('fixed_ptxas', '')} "
                       f"layer {f['whole_sequence_ms']:.1f} ms vs chunk loop "
-                      f"{f['chunk_loop_ms']:.1f} ms ({f['speedup']:.2f}x)") if f else ""
+                      f"{f['chunk_loop_ms']:.1f} ms ({f['speedup']:.2f}x)") if "max_relative_error" in f \
+                else f.get("fixed_ptxas", "")
             lines.append(f"| kernels {f.get('rule', '')} | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} "
                          f"| - | - | - | {detail} |")
         else:
@@ -420,6 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         versions["triton"] = triton.__version__
     except ImportError:
         versions["triton"] = None
+    versions["fixed_ptxas"] = session.ptxas_env and ".".join(map(str, ptxas.version_of(session.ptxas_env[ptxas.ENVS[0]]) or ()))
     print(f"gpu_session: {versions}", flush=True)
     outcomes = []
     for section in args.only:

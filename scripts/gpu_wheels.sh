@@ -66,6 +66,17 @@ ${PIP:-python3 -m pip} download -q --no-deps --only-binary=:all: --python-versio
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d "$DIR" "${PINNED[@]}"
 
+# A fixed ptxas for Hopper (kernels/ptxas.py: Triton <= 3.6 assembles sm_90 with ptxas 12.8, which
+# corrupts the whole-sequence kernels' tensor-core products), xz-compressed to fit a carry (12 MiB):
+# scripts/gpu_session.sh unpacks it; the lease's kernels check decides whether later sections use it.
+NVCC=$(mktemp -d)
+${PIP:-python3 -m pip} download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+  --platform manylinux_2_17_x86_64 -d "$NVCC" "nvidia-cuda-nvcc==${PTXAS_VERSION:-13.5.37}"
+python3 -c 'import lzma, shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as w, w.open("nvidia/cu13/bin/ptxas") as src, lzma.open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)' "$NVCC"/nvidia_cuda_nvcc-*.whl "$DIR/ptxas.xz"
+rm -rf "$NVCC"
+
 count=$(find "$DIR" -maxdepth 1 -name '*.whl' | wc -l)
 mib=$(du -cb "$DIR"/*.whl | tail -1 | awk '{printf "%.1f", $1 / 1048576}')
 echo "gpu_wheels: $count wheels, $mib MiB in $DIR (${#PINNED[@]} requested). On the image:"

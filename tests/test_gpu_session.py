@@ -11,6 +11,8 @@ import pytest
 
 from conftest import REPO, load_script
 
+from kernels import ptxas
+
 gpu_session = load_script("gpu_session")
 
 LOG = """\
@@ -170,3 +172,24 @@ def test_main_section_trains_resumes_and_exports_from_a_fresh_work_folder(tmp_pa
     assert [c[1] for c in calls] == ["scripts/train.sh", "scripts/train.sh", "scripts/check_hf_export.py"]
     assert outcome.figures["resume"]["steps"] == [3] and abs(outcome.figures["resume"]["first_step_s"] - 9.86) < 1e-9
     assert outcome.figures["hf_export"].startswith("PASS")
+
+
+def test_a_fixed_ptxas_reaches_every_command_until_the_kernels_check_fails_with_it(tmp_path, monkeypatch):
+    """FIXED_PTXAS goes to Triton's knobs in the kernels check and the commands after it; a
+    failed check drops it for the rest (they run Triton's own ptxas: FMA products)."""
+    monkeypatch.setenv("FIXED_PTXAS", "/opt/fixed/ptxas")
+    s = session(tmp_path, perf_modes=["compiled"])
+    envs = []
+
+    def run(command, log, timeout, env=None):
+        envs.append(dict(env or {}))
+        return 1, "illegal memory access\n"
+
+    monkeypatch.setattr(s, "run", run)
+    knobs = {name: "/opt/fixed/ptxas" for name in ptxas.ENVS}
+    s.perf_section("mela")
+    outcome = s.kernels_section("mela")
+    s.perf_section("mela")
+    assert envs[0] == knobs and envs[1] == knobs and envs[2] == {}
+    assert outcome.status.startswith("failed") and outcome.figures["fixed_ptxas"] == "dropped for the later commands"
+    assert "dropped for the later commands" in gpu_session.table([outcome])

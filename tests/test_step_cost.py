@@ -3,6 +3,7 @@ device and costed on an H100 (issue 39). Debug flavors at short sequences: secon
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -206,8 +207,12 @@ def test_whole_sequence_kernels_are_costed_once_per_call():
                            max(m.checkpoint_chunks, 1), backward=False)
     assert fwd.flops == pytest.approx(layers * flops)
     hw = short.hardware
-    assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads) - 1e-12
-    assert hw.program_flops(2 * m.n_heads) == hw.fp32_flops * 2 * m.n_heads / hw.sms
+    assert hw.kernel_tensor_cores  # the default: bf16 products on the tensor cores (a ptxas >= 13.3)
+    assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads, bf16=True) - 1e-12
+    assert hw.program_flops(2 * m.n_heads, bf16=True) == hw.bf16_flops * 2 * m.n_heads / hw.sms
+    assert hw.program_flops(2 * m.n_heads, bf16=False) == hw.fp32_flops * 2 * m.n_heads / hw.sms
+    fma = dataclasses.replace(hw, kernel_tensor_cores=False)  # Hopper with an older ptxas (kernels/ptxas.py)
+    assert fma.program_flops(2 * m.n_heads, bf16=True) == hw.fp32_flops * 2 * m.n_heads / hw.sms
     with pytest.raises(ValueError, match="no neural memory"):
         predict("transformer_debug", seq_len=64, whole_sequence=True)
 

@@ -62,6 +62,9 @@ class Hardware:
     launch_s: float = LAUNCH_FLOOR_S
     sync_s: float = HOST_SYNC_S
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
+    # the whole-sequence kernels' bf16 products on the tensor cores, as they run with a ptxas >= 13.3
+    # (kernels/ptxas.py; the launchers point Triton at one where installed); False: on the FMA units
+    kernel_tensor_cores: bool = True
     sms: int = SMS
 
     @classmethod
@@ -71,11 +74,12 @@ class Hardware:
             raise ValueError(f"unknown mode '{mode}': choose from {', '.join(MODES)}")
         return cls(**{"launch_s": LAUNCH_S[mode], **fields})
 
-    def program_flops(self, programs: int) -> float:
-        """The FLOP/s of a kernel of `programs` one-SM programs (the whole-sequence kernels, whose
-        products run on the FMA units, bf16-rounded operands or not): the fp32 FMA peak times the
-        share of the SMs it occupies."""
-        return self.fp32_flops * min(programs, self.sms) / self.sms
+    def program_flops(self, programs: int, bf16: bool) -> float:
+        """The FLOP/s of a kernel of `programs` one-SM programs (the whole-sequence kernels): the
+        bf16 tensor-core peak for bf16 products with `kernel_tensor_cores`, else the fp32 FMA
+        peak, times the share of the SMs it occupies."""
+        peak = self.bf16_flops if bf16 and self.kernel_tensor_cores else self.fp32_flops
+        return peak * min(programs, self.sms) / self.sms
 
     def peak(self, dtype: torch.dtype | None) -> float:
         if dtype in (torch.bfloat16, torch.float16):

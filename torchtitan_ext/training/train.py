@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> None:
         argv = [*argv, "--training.local_batch_size", str(local_batch)]
     import torch
 
+    from kernels.ptxas import arch_of, use_fixed_ptxas
     from torchtitan_ext import torch_compat
+
+    if torch.cuda.is_available() and (fixed := use_fixed_ptxas(arch_of(torch.device("cuda")))) and _rank() == 0:
+        print(f"train: Triton assembles Hopper kernels with {fixed} (ptxas >= 13.3; kernels/ptxas.py)", flush=True)
 
     if graph_args := torch_compat.cuda_graph_args(config):
         if _rank() == 0:

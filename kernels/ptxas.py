@@ -1,0 +1,135 @@
+"""Which ptxas assembles Triton's Hopper kernels, and whether the whole-sequence kernels may run
+their bf16 products on the tensor cores with it.
+
+CUDA's ptxas before 13.3 can reuse a register that an asynchronous Hopper `wgmma` is still
+reading when the instruction takes its A operand from registers: the product comes out wrong,
+or a later shared-memory access falls out of bounds. NVIDIA lists the fix in CUDA 13.3's release
+notes, and Triton's main branch assembles Hopper kernels with its bundled CUDA 13 ptxas since
+(triton-lang/triton pull request 11781). Triton 3.6, the GPU image's, assembles sm_90 with its
+bundled ptxas 12.8.93. The whole-sequence kernels (kernels/whole_sequence_triton.py) take their
+products' operands from registers (activations, errors and sums computed in the kernel); their
+bf16 tensor-core variant crashed at the Titans shape and gave wrong values at Mela's on an H200
+with Triton 3.6 (2026-11-28), where the same kernels with FMA products matched the reference.
+
+So on sm_90 the kernels use the tensor cores only where Triton's ptxas is >= 13.3
+(`tensor_core_products`); elsewhere they multiply bf16-rounded operands on the FMA units
+(the same values, about 15x fewer FLOP/s on an H100). `use_fixed_ptxas` points Triton at a fixed
+ptxas when one is installed: a CUDA >= 13.3 toolkit, `pip install nvidia-cuda-nvcc>=13.3` (the
+`gpu` extra), or a Triton that bundles one as `ptxas-blackwell` (Triton 3.9: 13.4).
+Other architectures are not gated: Ampere's `mma.sync` is synchronous, Blackwell's `tcgen05`
+reads no operand from registers (neither has run these kernels yet).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+WGMMA_FIXED = (13, 3)  # the first ptxas without the register-operand wgmma hazard (CUDA 13.3 release notes)
+HOPPER = 90
+# Triton's knobs for its two ptxas: sm_90 reads the first up to Triton 3.6, the second (named
+# for Blackwell) in Triton 3.9; `use_fixed_ptxas` sets both.
+ENVS = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
+
+
+@functools.lru_cache(maxsize=None)
+def version_of(path: str) -> tuple[int, int] | None:
+    """(major, minor) of the ptxas at `path` from `--version` ("release 13.4"), None if it does not run."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def triton_ptxas(arch: int = HOPPER) -> str | None:
+    """The path of the ptxas Triton assembles `arch` (e.g. 90) with, honouring its knobs (`ENVS`);
+    None without Triton's NVIDIA backend."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:
+        return None
+    return get_ptxas(arch).path
+
+
+def tensor_core_products(arch: int, ptxas_version: tuple[int, int] | None) -> bool:
+    """Whether the whole-sequence kernels may run bf16 products on the tensor cores of an `arch`
+    GPU whose Triton assembles with a ptxas of `ptxas_version` (module docstring)."""
+    return arch != HOPPER or (ptxas_version is not None and ptxas_version >= WGMMA_FIXED)
+
+
+def fixed_ptxas_candidates() -> list[str]:
+    """Where a ptxas >= 13.3 may be installed, in order: Triton's knobs (`ENVS`), the CUDA toolkit
+    ($CUDA_HOME, /usr/local/cuda), pip's nvidia-cuda-nvcc (nvidia/cu13/bin), Triton's own
+    ptxas-blackwell."""
+    paths = [os.environ.get(name, "") for name in ENVS]
+    for home in (os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"):
+        if home:
+            paths.append(os.path.join(home, "bin", "ptxas"))
+    for site in sys.path:
+        paths += sorted(glob.glob(os.path.join(site, "nvidia", "cu1[3-9]", "bin", "ptxas")))
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        paths.append(get_ptxas(100).path)
+    except ImportError:
+        pass
+    return [p for p in dict.fromkeys(paths) if p and os.path.isfile(p)]
+
+
+def arch_of(device) -> int | None:
+    """The compute capability of a CUDA torch device as Triton names it (90 for 9.0), else None."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def use_fixed_ptxas(arch: int | None) -> str | None:
+    """On an sm_90 GPU whose Triton ptxas is older than 13.3: point Triton's knobs (`ENVS`) at the
+    first fixed ptxas found (`fixed_ptxas_candidates`) and return it; else change nothing and return
+    None. Call before any Triton kernel is compiled (a training run's start); a ptxas from a newer
+    CUDA major version than the driver's is skipped (its binaries need that driver). `arch`
+    None (not a CUDA device, `arch_of`): nothing."""
+    if arch is None or arch != HOPPER or tensor_core_products(arch, version_of(triton_ptxas(arch) or "")):
+        return None
+    driver_major = _driver_major()
+    for path in fixed_ptxas_candidates():
+        version = version_of(path)
+        if version is not None and version >= WGMMA_FIXED and (driver_major is None or version[0] <= driver_major):
+            os.environ.update({name: path for name in ENVS})
+            return path
+    return None
+
+
+def _driver_major() -> int | None:
+    """The CUDA major version the installed driver supports (13 for 13000), None unknown."""
+    import torch
+
+    version = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    return version // 1000 if version else None
+
+
+_warned = False
+
+
+def warn_fma_fallback(arch: int) -> None:
+    """Once per process: the kernels run their bf16 products on the FMA units because of ptxas."""
+    global _warned
+    if not _warned:
+        _warned = True
+        path = triton_ptxas(arch)
+        version = ".".join(map(str, version_of(path or "") or ("unknown",)))
+        warnings.warn(f"whole-sequence memory kernels: Triton assembles sm_{arch} with ptxas {version} "
+                      f"({path}), older than {WGMMA_FIXED[0]}.{WGMMA_FIXED[1]} (it corrupts "
+                      f"register-operand wgmma), so their bf16 products run on the FMA units (~15x slower); "
+                      f"fix: pip install 'nvidia-cuda-nvcc>=13.3' (found at the run's start: kernels/ptxas.py "
+                      f"use_fixed_ptxas) or set {' and '.join(ENVS)} to a CUDA >= 13.3 ptxas",
+                      stacklevel=3)

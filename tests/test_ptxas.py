@@ -1,0 +1,95 @@
+"""kernels/ptxas.py: the whole-sequence kernels use the tensor cores on Hopper only with a ptxas
+>= 13.3, and a fixed ptxas is found where one is installed (fake ptxas executables stand in)."""
+
+import os
+import stat
+
+import pytest
+import torch
+
+from kernels import ptxas, whole_sequence
+
+
+def fake_ptxas(folder, release: str):
+    """An executable `folder/bin/ptxas` that prints the `--version` text of CUDA `release`."""
+    path = folder / "bin" / "ptxas"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\necho 'ptxas: NVIDIA (R) Ptx optimizing assembler'\n"
+                    f"echo 'Cuda compilation tools, release {release}, V{release}.1'\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def point_triton_at(monkeypatch, path: str) -> str:
+    for name in ptxas.ENVS:
+        monkeypatch.setenv(name, path)
+    return path
+
+
+def knobs_at(path: str) -> bool:
+    return all(os.environ.get(name) == path for name in ptxas.ENVS)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in (*ptxas.ENVS, "CUDA_HOME", "CUDA_PATH", "TRITON_INTERPRET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ptxas, "_warned", False)
+    return monkeypatch
+
+
+def test_version_is_read_from_the_executable(tmp_path):
+    assert ptxas.version_of(fake_ptxas(tmp_path / "a", "13.4")) == (13, 4)
+    assert ptxas.version_of(fake_ptxas(tmp_path / "b", "12.8")) == (12, 8)
+    assert ptxas.version_of(str(tmp_path / "missing")) is None
+
+
+def test_hopper_needs_ptxas_13_3_other_architectures_do_not():
+    assert not ptxas.tensor_core_products(90, (12, 8))
+    assert not ptxas.tensor_core_products(90, (13, 2))
+    assert not ptxas.tensor_core_products(90, None)
+    assert ptxas.tensor_core_products(90, (13, 3))
+    assert ptxas.tensor_core_products(90, (14, 0))
+    assert ptxas.tensor_core_products(80, (12, 8))
+    assert ptxas.tensor_core_products(100, (12, 9))
+
+
+def test_products_follow_the_ptxas_triton_would_use(clean_env, tmp_path):
+    """On a (pretended) Hopper GPU the switch reads Triton's own ptxas choice: the old one
+    falls back to FMA products with one warning that names the fix, a fixed one takes the
+    tensor cores; fp32 products and CPU devices never depend on ptxas."""
+    clean_env.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    old = point_triton_at(clean_env, fake_ptxas(tmp_path / "old", "12.8"))
+    assert ptxas.triton_ptxas(90) == old
+    with pytest.warns(UserWarning, match=r"ptxas 12\.8 .*FMA units.*nvidia-cuda-nvcc>=13\.3"):
+        assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16
+    point_triton_at(clean_env, fake_ptxas(tmp_path / "new", "13.4"))
+    assert whole_sequence.products(True, cuda) == whole_sequence.TENSOR_CORES
+    assert whole_sequence.products(False, cuda) == whole_sequence.FP32
+    assert whole_sequence.products(True, torch.device("cpu")) == whole_sequence.FMA_BF16
+    clean_env.setenv("TRITON_INTERPRET", "1")
+    assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16
+
+
+def test_candidates_put_the_knob_then_the_toolkit_first(clean_env, tmp_path):
+    knob = fake_ptxas(tmp_path / "knob", "12.8")
+    toolkit = fake_ptxas(tmp_path / "toolkit", "13.5")
+    point_triton_at(clean_env, knob)
+    clean_env.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
+    assert ptxas.fixed_ptxas_candidates()[:2] == [knob, toolkit]
+
+
+def test_use_fixed_ptxas_points_triton_at_an_installed_fixed_one(clean_env, tmp_path):
+    old = fake_ptxas(tmp_path / "old", "12.8")
+    too_new = fake_ptxas(tmp_path / "cuda14", "14.1")  # newer than the driver: its binaries would not load
+    fixed = fake_ptxas(tmp_path / "cuda13", "13.5")
+    point_triton_at(clean_env, old)
+    clean_env.setattr(ptxas, "_driver_major", lambda: 13)
+    clean_env.setattr(ptxas, "fixed_ptxas_candidates", lambda: [old, too_new])
+    assert ptxas.use_fixed_ptxas(90) is None and knobs_at(old)
+    clean_env.setattr(ptxas, "fixed_ptxas_candidates", lambda: [old, too_new, fixed])
+    assert ptxas.use_fixed_ptxas(80) is None and knobs_at(old)  # not Hopper: nothing to fix
+    assert ptxas.use_fixed_ptxas(90) == fixed and knobs_at(fixed)
+    assert ptxas.triton_ptxas(90) == fixed
+    assert ptxas.use_fixed_ptxas(90) is None and knobs_at(fixed)  # already fixed: left alone
