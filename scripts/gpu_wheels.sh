@@ -81,3 +81,4 @@ count=$(find "$DIR" -maxdepth 1 -name '*.whl' | wc -l)
 mib=$(du -cb "$DIR"/*.whl | tail -1 | awk '{printf "%.1f", $1 / 1048576}')
 echo "gpu_wheels: $count wheels, $mib MiB in $DIR (${#PINNED[@]} requested). On the image:"
 echo "  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $DIR/*.whl && export PYTHONPATH=/tmp/site"
+echo "  and on Hopper the fixed ptxas ($DIR/ptxas.xz; kernels/ptxas.py): python3 -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(\"$DIR/ptxas.xz\"), open(\"/tmp/ptxas\", \"wb\"))' && chmod +x /tmp/ptxas && export TRITON_PTXAS_PATH=/tmp/ptxas"

@@ -268,19 +268,34 @@ def test_launcher_check_names_packages_missing_from_the_python_it_runs(tmp_path)
 
 def test_gpu_wheels_pins_the_venvs_versions_once_each(tmp_path):
     """scripts/gpu_wheels.sh asks pip for each wheel once, at the .venv's version, for CPython
-    3.12 manylinux; its default list is the one preflight's message counts on (a stand-in pip
-    records the request, as the real one needs network)."""
+    3.12 manylinux; its default list is the one preflight's message counts on; then it packs the
+    ptxas of the pinned nvidia-cuda-nvcc wheel as ptxas.xz (a stand-in pip records each request
+    and makes the files, as the real one needs network)."""
     import importlib.metadata
+    import lzma
     import re
 
     pip = tmp_path / "pip"
-    pip.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/request"; touch "$(dirname "$0")/wheels/x.whl"\n')
+    pip.write_text(f"#!{sys.executable}\n" + '''import pathlib, sys, zipfile
+args = sys.argv[1:]
+with open(pathlib.Path(__file__).parent / "requests", "a") as log:
+    log.write(" ".join(args) + "\\n")
+dest = pathlib.Path(args[args.index("-d") + 1])
+if any(a.startswith("nvidia-cuda-nvcc==") for a in args):
+    with zipfile.ZipFile(dest / "nvidia_cuda_nvcc-13.5.37-py3-none-manylinux2014_x86_64.whl", "w") as wheel:
+        wheel.writestr("nvidia/cu13/bin/ptxas", "stand-in ptxas")
+else:
+    (dest / "x.whl").touch()
+''')
     pip.chmod(0o755)
     run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_wheels.sh"), str(tmp_path / "wheels"), "--wandb", "tyro",
                           "sentencepiece"], env={**os.environ, "PIP": str(pip)}, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "1 wheels" in run.stdout and "--target /tmp/site" in run.stdout
-    request = (tmp_path / "request").read_text().split()
+    requests = (tmp_path / "requests").read_text().splitlines()
+    assert len(requests) == 2 and "nvidia-cuda-nvcc==13.5.37" in requests[1].split()
+    assert lzma.open(tmp_path / "wheels" / "ptxas.xz").read() == b"stand-in ptxas"
+    request = requests[0].split()
     assert " ".join(request).startswith("download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp")
     pins = [arg for arg in request if "==" in arg]
     names = [re.sub(r"[-_.]+", "-", pin.split("==")[0]).lower() for pin in pins]
