@@ -346,7 +346,8 @@ def test_verdicts_from_json(mqar_quick):
     the rebuild reads the items: the full row made perfect turns H1 supported. Each run holds
     its plateau fields (stop, accuracy at the stop, steps and FLOPs to 0.5 / 0.8 / 0.99, checked
     against its curve and cost here); the window-only control, answering none of its in-window
-    queries right, leaves H2-H5 without a verdict until it is made perfect inside its window."""
+    queries right, leaves H2-H5 without a verdict until it is made perfect inside its window; the
+    sample-efficiency hypotheses read the runs' FLOPs to 0.8."""
     from torchtitan_ext.eval import mqar_suite, mqar_verdicts
 
     out, run = mqar_quick
@@ -397,6 +398,14 @@ def test_verdicts_from_json(mqar_quick):
     for v in mqar_verdicts.verdicts(solved):
         if v["hypothesis"] in ("H2", "H3", "H4", "H5") and not v["verdict"].startswith("at floor"):
             assert v["control_inside"] == 1.0 and v["verdict"] in ("supported", "not supported", "inconclusive"), v
+    # sample efficiency (S1-S3) is read from the runs' reach fields: MAC writing inputs made to reach 0.8 at half
+    # the paper MAC's training FLOPs on every seed gives S1 a gain of exactly 1 (log2), supported
+    faster = json.loads((out / "mqar.json").read_text())
+    for seed, run in faster["rows"]["titans_mac"]["seeds"].items():
+        run["reach"]["0.8"] = {"step": 4, "train_flops": 2e9}
+        faster["rows"]["titans_mac_inputs"]["seeds"][seed]["reach"]["0.8"] = {"step": 2, "train_flops": 1e9}
+    (s1,) = [v for v in mqar_verdicts.verdicts(faster) if v["hypothesis"] == "S1"]
+    assert s1["verdict"] == "supported" and s1["estimate"] == 1.0 and s1["paired_seeds"] == len(faster["rows"]["titans_mac"]["seeds"])
 
 
 def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick, capsys):

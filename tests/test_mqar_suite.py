@@ -137,9 +137,40 @@ def test_the_hypotheses_name_rows_of_the_suite_and_state_their_numbers():
     for h in mqar_suite.HYPOTHESES:
         assert h.model in mqar_suite.ROWS and (h.control is None or h.control in mqar_suite.ROWS), h.key
         assert h.expected_width > 0 and h.tolerance >= 0, h.key
-        assert (h.sense == "at_least") == (h.threshold is not None), h.key
+        assert (h.sense in ("at_least", "fewer")) == (h.threshold is not None), h.key
+        assert (h.sense == "fewer") == (h.metric == "flops_to_level"), h.key
+        assert h.sense != "fewer" or h.control is not None, h.key
         assert h.sense == "at_least" or h.smallest_effect > h.tolerance, h.key
     assert len({h.key for h in mqar_suite.HYPOTHESES}) == len(mqar_suite.HYPOTHESES)
+
+
+def _reaching(flops_by_seed: dict) -> dict:
+    """A row whose seeds reached validation 0.8 after the given training FLOPs (None: never)."""
+    return {"seeds": {seed: {"reach": {"0.8": None if f is None else {"step": 1, "train_flops": f}}}
+                      for seed, f in flops_by_seed.items()}}
+
+
+FEWER = dict(BETTER, metric="flops_to_level", sense="fewer", tolerance=0.0, smallest_effect=0.32, threshold=0.8)
+
+
+def test_sample_efficiency_is_the_median_log2_flops_ratio_over_seeds_either_row_reached():
+    """Half the FLOPs on every seed: gain 1 (log2), supported; equal FLOPs: 0, not supported; a
+    seed only the model reached counts as +inf, one neither reached is left out; no seed where
+    either reached: no verdict."""
+    v = mqar_verdicts.efficiency_verdict(FEWER, _reaching({"0": 1.0, "1": 2.0, "2": 3.0}),
+                                         _reaching({"0": 2.0, "1": 4.0, "2": 6.0}))
+    assert v["verdict"] == "supported" and v["estimate"] == pytest.approx(1.0) and v["ci95"] == pytest.approx([1.0, 1.0])
+    v = mqar_verdicts.efficiency_verdict(FEWER, _reaching({"0": 2.0, "1": 4.0, "2": 6.0}),
+                                         _reaching({"0": 2.0, "1": 4.0, "2": 6.0}))
+    assert v["verdict"] == "not supported" and v["estimate"] == 0.0
+    gains = mqar_verdicts.level_gains(_reaching({"0": 1.0, "1": 1.0, "2": None, "3": None}),
+                                      _reaching({"0": None, "1": 4.0, "2": 1.0, "3": None}), 0.8)
+    assert gains == [float("inf"), 2.0, float("-inf")]
+    mixed = mqar_verdicts.efficiency_verdict(FEWER, _reaching({"0": 1.0, "1": 1.0, "2": None}),
+                                             _reaching({"0": None, "1": 4.0, "2": 1.0}))
+    assert mixed["verdict"] == "inconclusive" and mixed["paired_seeds"] == 3 and mixed["estimate"] == 2.0
+    none = mqar_verdicts.efficiency_verdict(FEWER, _reaching({"0": None}), _reaching({"0": None}))
+    assert none["verdict"] == "neither reaches 0.8" and none["ci95"] is None
 
 
 def test_a_setting_with_the_window_not_shorter_than_the_sequence_is_refused():

@@ -142,6 +142,9 @@ def markdown(results: dict) -> str:
     lines += ["", "## Hypotheses (written before the run) and verdicts per task", ""]
     for h in results["hypotheses"]:
         rule = (f"accuracy >= {h['threshold']} (tolerance {h['tolerance']})" if h["sense"] == "at_least" else
+                f"log2 of {h['control']}'s training FLOPs to validation {h['threshold']:g} over {h['model']}'s, median "
+                f"over the seeds where either reached it, > {h['tolerance']} (supported), < {h['smallest_effect']} ruled "
+                f"out (not supported); inf: only {h['model']} reached it" if h["metric"] == "flops_to_level" else
                 f"paired difference {h['model']} - {h['control']} > {h['tolerance']} (supported), "
                 f"< {h['smallest_effect']} ruled out (not supported)")
         control = ("" if h.get("control_inside") is None else
@@ -153,7 +156,8 @@ def markdown(results: dict) -> str:
             if v["hypothesis"] == h["key"]:
                 interval = "-" if v["ci95"] is None else (f"{v['estimate']:.3f} ({v['ci95'][0]:.3f} to {v['ci95'][1]:.3f}, "
                                                           f"width {v['ci_width']:.3f})")
-                lines.append(f"  - {v['task']}: {interval}: {v['verdict']}")
+                seeds = f" ({v['paired_seeds']} seeds)" if "paired_seeds" in v else ""
+                lines.append(f"  - {v['task']}{seeds}: {interval}: {v['verdict']}")
     lines += ["", "## Cost", "", "| row | training tokens (mean a run) | trainable params | train FLOPs/token (measured; analytic) | "
               "eval FLOPs/token | train wall s (per run) | train tokens/s | memory state bytes |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]

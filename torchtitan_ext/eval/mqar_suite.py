@@ -223,8 +223,12 @@ def build_row(name: str, s: Setting, **overrides) -> torch.nn.Module:
 @dataclass(frozen=True)
 class Hypothesis:
     """A claim written before the run, answered per task in its scope. metric: "accuracy"
-    (the model row's, sense "at_least" a threshold) or "accuracy_difference" (model - control,
-    paired, sense "better"); tolerance, threshold, smallest_effect: in accuracy units;
+    (the model row's, sense "at_least" a threshold), "accuracy_difference" (model - control,
+    paired, sense "better"; tolerance, threshold, smallest_effect in accuracy units) or
+    "flops_to_level" (sample efficiency, answered once per hypothesis on the validation curve:
+    log2 of the control's training FLOPs to validation accuracy `threshold` over the model's,
+    per seed both rows ran, sense "fewer"; tolerance and smallest_effect in log2 units;
+    mqar_verdicts.efficiency_verdict);
     expected_width: the 95% interval's width expected from the design; lengths: "trained"
     (the training length), "past" (longer ones) or "all"; control_inside: the share of the
     queries inside its window the control must answer on a task for a verdict there (None:
@@ -275,6 +279,20 @@ HYPOTHESES = (
                "titans_mac", "accuracy_difference", "better", tolerance=0.02, smallest_effect=0.1, expected_width=0.2,
                lengths="all", why="written 2026-11-26 after the first run, before this row ran: one seed of the "
                "ablation reached 0.87 validation accuracy where the paper's MAC reached 0.17 (docs/leaderboard.md)"),
+    # Sample efficiency (issue 48), written 2026-11-28 before any of these rows ran under a plateau setting
+    # (docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md): fewer training FLOPs to validation 0.8, by at
+    # least 25% to count (log2(1.25) = 0.32).
+    Hypothesis("S1", "Titans MAC writing its segment's inputs reaches 0.8 with fewer training FLOPs than MAC writing "
+               "attention outputs", "titans_mac_inputs", "titans_mac", "flops_to_level", "fewer", tolerance=0.0,
+               smallest_effect=0.32, expected_width=1.0, threshold=0.8,
+               why="H9's sample-efficiency side: the same FLOPs per token, so this is steps"),
+    Hypothesis("S2", "Titans LMM reaches 0.8 with fewer training FLOPs than Transformer++ full attention", "titans_lmm",
+               "transformer_full", "flops_to_level", "fewer", tolerance=0.0, smallest_effect=0.32, expected_width=1.0,
+               threshold=0.8, why="Titans: a memory learns recall fast; against it, LMM costs ~2.8x the FLOPs per token "
+               "here (1.9M vs 0.67M)"),
+    Hypothesis("S3", "Titans MAG reaches 0.8 with fewer training FLOPs than Transformer++ full attention", "titans_mag",
+               "transformer_full", "flops_to_level", "fewer", tolerance=0.0, smallest_effect=0.32, expected_width=1.0,
+               threshold=0.8, why="as S2, with the window's attention beside the memory"),
 )
 
 

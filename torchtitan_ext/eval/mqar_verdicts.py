@@ -21,9 +21,23 @@ prompts but not long ones yields verdicts only where it holds.
 Reaching a level (`reach`): the first evaluation of a run's validation curve at or above each
 of `LEVELS`, as steps and as training FLOPs (steps x batch x training length x the row's
 measured training FLOPs per token); None where the run never got there.
+
+Sample efficiency (`efficiency_verdict`, metric "flops_to_level"): per seed both rows ran (the
+same training batches: seeded alike), the gain g = log2(control's training FLOPs to the level /
+the model's), +inf where only the model reached the level before its stop, -inf where only the
+control did; a seed where neither did carries no information on the level and is left out.
+The estimate is the median gain over those seeds, its interval a bootstrap over them; the
+"better" rule then reads it in log2 units (supported when low > tolerance, not supported when
+high < smallest effect). "Never reached" means before the run's own stop (plateau or cap), not
+"never": an infinite gain is a censored one. No seed where either row reached it: "neither
+reaches <level>", no verdict.
 """
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 from torchtitan_ext.eval.stats import seed_item_bootstrap, summarize_seeds
 
@@ -115,6 +129,9 @@ def verdicts(results: dict) -> list[dict]:
         if any(r not in results["rows"] for r in rows):
             out.append({"hypothesis": h["key"], "task": None, "verdict": "not run", "ci95": None, "estimate": None})
             continue
+        if h["metric"] == "flops_to_level":
+            out.append(efficiency_verdict(h, results["rows"][h["model"]], results["rows"][h["control"]]))
+            continue
         for key, task in next(iter(results["rows"][h["model"]]["seeds"].values()))["tasks"].items():
             if not in_scope(h, task["length"], results["setting"]["train_len"]):
                 continue
@@ -152,3 +169,41 @@ def reach(curve: list, tokens_per_step: int, flops_per_token: float) -> dict:
         step = next((s for s, a in curve if a >= level), None)
         out[str(level)] = None if step is None else {"step": step, "train_flops": step * tokens_per_step * flops_per_token}
     return out
+
+
+def level_gains(model: dict, control: dict, level: float) -> list[float]:
+    """Per seed both rows ran (seed order): log2(control's training FLOPs to `level` / the
+    model's), +inf / -inf where only the model / only the control reached it; seeds where
+    neither did are left out (module docstring)."""
+    gains = []
+    for seed in sorted(set(model["seeds"]) & set(control["seeds"]), key=int):
+        ours, theirs = (row["seeds"][seed]["reach"][str(level)] for row in (model, control))
+        if ours is None and theirs is None:
+            continue
+        gains.append(math.inf if theirs is None else -math.inf if ours is None else
+                     math.log2(theirs["train_flops"] / ours["train_flops"]))
+    return gains
+
+
+def median_interval(values: list[float], resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median (the lower middle value) of `values` (infinities allowed)."""
+    data = torch.tensor(values, dtype=torch.float64)
+    picks = torch.randint(0, len(data), (resamples, len(data)), generator=torch.Generator().manual_seed(seed))
+    draws = data[picks].sort(1).values[:, (len(data) - 1) // 2]
+    ordered = draws.sort().values
+    return ordered[int(0.025 * resamples)].item(), ordered[int(0.975 * resamples) - 1].item()
+
+
+def efficiency_verdict(h: dict, model: dict, control: dict) -> dict:
+    """A "flops_to_level" hypothesis answered on the two rows' validation curves (module docstring)."""
+    level = h["threshold"]
+    gains = level_gains(model, control, level)
+    task = f"validation {level:g}"
+    if not gains:
+        return {"hypothesis": h["key"], "task": task, "estimate": None, "ci95": None, "verdict": f"neither reaches {level:g}",
+                "paired_seeds": 0}
+    estimate = sorted(gains)[(len(gains) - 1) // 2]
+    interval = median_interval(gains)
+    return {"hypothesis": h["key"], "task": task, "estimate": estimate, "ci95": list(interval),
+            "ci_width": interval[1] - interval[0], "verdict": verdict({**h, "sense": "better"}, interval),
+            "paired_seeds": len(gains)}
