@@ -7,6 +7,7 @@ suite's equal non-embedding parameters, and the verdict rule on synthetic interv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -104,11 +105,23 @@ def test_a_rerun_skips_every_finished_cell_and_adds_a_missing_zero_shot_column(c
 
 def test_the_ci_suite_has_every_family_and_graft_of_the_comparison():
     assert {row.name for row in SUITES["ci"].rows} == {
-        "transformer_full", "transformer_window", "titans_mac", "titans_mag", "titans_mal", "titans_lmm", "mela",
+        "transformer_full", "transformer_window", "titans_mac", "titans_mac_inputs", "titans_mag", "titans_mal",
+        "titans_lmm", "mela",
         "mela_memory_off", "mlp_lm", "backbone_frozen", "lora_only", "memoryllama_alma", "memoryllama_gema", "mone",
         "gradmem", "gradmem_forward", "locas_glu", "templora", "backbone_frozen_bounded", "lora_only_bounded",
         "memoryllama_alma_bounded", "memoryllama_gema_bounded"}
     assert {row.name for row in SUITES["cpu"].rows} == {row.name for row in SUITES["ci"].rows}
+
+
+def test_mac_writing_inputs_differs_from_the_papers_mac_only_in_what_its_memory_writes():
+    """The perplexity-beside-recall row (issue 48): the same model and parameter count as the
+    paper's MAC in both suites, its memory writing the segment's inputs."""
+    for name in ("ci", "cpu"):
+        rows = {row.name: row for row in SUITES[name].rows}
+        ours, paper = built_model(rows["titans_mac_inputs"]), built_model(rows["titans_mac"])
+        assert (ours.cfg.mac_write, paper.cfg.mac_write) == ("inputs", "attention"), name
+        assert ours.cfg == dataclasses.replace(paper.cfg, mac_write="inputs"), name
+        assert trainable_params(rows["titans_mac_inputs"]) == trainable_params(rows["titans_mac"]), name
 
 
 def test_the_gradmem_twins_differ_in_the_write_and_train_as_many_parameters_within_1_percent():

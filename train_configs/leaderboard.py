@@ -14,6 +14,7 @@ from torchtitan_ext.families.transformer import model_spec as transformer_spec
 from train_configs.backbone import LORA_PARAMETERS, memoryllama_debug, mone_qwen3_debug, pretrain_mix, qwen3_debug_lora
 from train_configs.mela import mela_400m, mela_debug
 from train_configs.recipe import debug_recipe, grouped_adamw
+from train_configs.titans import titans_mac_debug
 
 
 def _memory_off(config: Trainer.Config, flavor: str, name: str) -> Trainer.Config:
@@ -49,6 +50,26 @@ def _titans_cpu(variant: str, n_layers: int) -> Trainer.Config:
 def titans_mac_cpu() -> Trainer.Config:
     """Titans MAC, 5 layers of the debug width (1.99M non-embedding parameters)."""
     return _titans_cpu("mac", 5)
+
+
+def _mac_inputs(config: Trainer.Config, name: str, **fields) -> Trainer.Config:
+    """`config` (a Titans MAC config at the debug width) with MAC's memory writing and reading the
+    segment's normed inputs instead of the attention outputs (`TitansConfig.mac_write`, the MQAR
+    suite's H9 ablation): the same parameters and recipe."""
+    config.model_spec = titans_spec("debug", variant="mac", mac_write="inputs", **fields)
+    config.dump_folder = f"./outputs/{name}"
+    return config
+
+
+def titans_mac_inputs_debug() -> Trainer.Config:
+    """titans_mac_debug writing its segment's inputs (the ci suite's row)."""
+    return _mac_inputs(titans_mac_debug(), "titans_mac_inputs_debug")
+
+
+def titans_mac_inputs_cpu() -> Trainer.Config:
+    """titans_mac_cpu writing its segment's inputs (the cpu suite's row; issue 48: does the
+    recall winner pay for it in perplexity?)."""
+    return _mac_inputs(titans_mac_cpu(), "titans_mac_inputs_cpu", n_layers=5)
 
 
 def titans_mag_cpu() -> Trainer.Config:

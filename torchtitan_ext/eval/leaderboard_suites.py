@@ -75,7 +75,7 @@ class Row:
 
 
 SCRATCH_MODES = {"transformer_full": "full", "transformer_window": "sliding", "titans_mac": "streaming",
-                 "titans_mag": "streaming", "titans_mal": "streaming", "titans_lmm": "streaming", "mela": "streaming",
+                 "titans_mac_inputs": "streaming", "titans_mag": "streaming", "titans_mal": "streaming", "titans_lmm": "streaming", "mela": "streaming",
                  "mela_memory_off": "streaming", "mlp_lm": "full"}
 
 
@@ -89,11 +89,13 @@ TITANS = ("mac", "mag", "mal", "lmm")
 DEBUG_SCRATCH = {"transformer_full": "train_configs.transformer:transformer_debug",
                  "transformer_window": "train_configs.transformer:transformer_debug",
                  **{f"titans_{v}": f"train_configs.titans:titans_{v}_debug" for v in TITANS},
+                 "titans_mac_inputs": "train_configs.leaderboard:titans_mac_inputs_debug",
                  "mela": "train_configs.mela:mela_debug", "mela_memory_off": "train_configs.leaderboard:mela_debug_memory_off",
                  "mlp_lm": "train_configs.mlp_lm:mlp_lm_debug"}
 CPU_SCRATCH = {"transformer_full": "train_configs.leaderboard:transformer_cpu",
                "transformer_window": "train_configs.leaderboard:transformer_cpu",
                **{f"titans_{v}": f"train_configs.leaderboard:titans_{v}_cpu" for v in TITANS},
+               "titans_mac_inputs": "train_configs.leaderboard:titans_mac_inputs_cpu",
                "mela": "train_configs.mela:mela_debug", "mela_memory_off": "train_configs.leaderboard:mela_debug_memory_off",
                "mlp_lm": "train_configs.leaderboard:mlp_lm_cpu"}
 BACKBONE_CONFIG = "train_configs.backbone:backbone_qwen3_pretrain"
@@ -222,6 +224,11 @@ HYPOTHESES = (
     Hypothesis("Titans MAC beats window-only beyond the window",
                (("titans_mac", "transformer_window", "recall_beyond", "better"),
                 ("titans_mac", "transformer_window", "ppl_past", "better"))),
+    # Added 2026-11-28 (issue 48: perplexity beside recall), before any cell of the row ran.
+    Hypothesis("MAC writing its segment's inputs, the MQAR recall winner over the paper's MAC (H9), pays no "
+               "perplexity for it: it matches the paper's MAC inside and past the training length",
+               (("titans_mac_inputs", "titans_mac", "ppl_inside", "match"),
+                ("titans_mac_inputs", "titans_mac", "ppl_past", "match"))),
     Hypothesis("Mela beats its memory-off twin and Transformer++ past the training length",
                (("mela", "mela_memory_off", "ppl_past", "better"), ("mela", "transformer_full", "ppl_past", "better"))),
     Hypothesis("MoNe and MemoryLlama beat the LoRA-only control and the frozen backbone beyond the window, "
