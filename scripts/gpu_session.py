@@ -28,7 +28,9 @@ Sections (`--only` picks some, so that a rerun fits what is left of a lease):
         With FIXED_PTXAS (a ptxas >= 13.3; gpu_session.sh unpacks the one gpu_wheels.sh packs)
         every command runs Triton with it, so on Hopper the kernels' bf16 products take the
         tensor cores (kernels/ptxas.py); if the kernels check fails with it, the commands after
-        it run without it (FMA products), and the table says so.
+        it run without it (FMA products), and the table says so; the check then runs once more,
+        small, under compute-sanitizer's memcheck where the image has it (its first errors in the
+        table, the whole output in kernels_sanitizer.log).
 Every command runs under the time left of `--budget-s` (each is cut at it; what does not start
 in time is reported as skipped). Results: one markdown table (`gpu_session.md`) and a JSON
 (`gpu_session.json`) under `--out`, beside one log per model of main and one of perf; checkpoints and
@@ -90,7 +92,9 @@ class Shape:
 LEASE, DEBUG = Shape("400m", 4096, "cuda"), Shape("debug", 256, "cpu")
 # seconds per command, before the budget's cut; kernels: four Triton compiles (fp32 and bf16, forward and
 # backward: up to 268 s for the Newton-Schulz backward on a loaded 2-core CPU)
-TIMEOUT_S = {"train": 240, "resume": 150, "hf": 120, "perf": 150, "kernels": 300}
+TIMEOUT_S = {"train": 240, "resume": 150, "hf": 120, "perf": 150, "kernels": 300, "sanitizer": 150}
+# the kernels check again under compute-sanitizer's memcheck, small (memcheck slows a kernel 10-100x)
+SANITIZED = ["--seq-len", "256", "--batch", "1", "--heads", "2", "--steps", "1"]
 TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 MEMORY = re.compile(r"memory:\s*([0-9.]+)GiB")
 
@@ -309,8 +313,23 @@ class Session:
         outcome.status = "ok" if code == 0 and rows else skipped_or_failed(code, "whole-sequence kernels", text)
         if self.ptxas_env and outcome.status != "ok":  # the later commands run Triton's own ptxas (FMA products)
             outcome.figures["fixed_ptxas"] = "dropped for the later commands"
+            outcome.figures["sanitizer"] = self.sanitize(model, {**env, **self.ptxas_env})
             self.ptxas_env = {}
         return outcome
+
+    def sanitize(self, model: str, env: dict) -> str:
+        """The failed kernels check once more, small, under compute-sanitizer's memcheck (where the
+        image has it): its first error lines, which name the kernel and the access."""
+        tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+        if not os.path.exists(tool):
+            return "no compute-sanitizer on this image"
+        code, text = self.run([tool, "--tool", "memcheck", "--print-limit", "3", self.python,
+                               "scripts/bench_whole_sequence.py", "--rules", KERNEL_RULES[model], "--device",
+                               self.shape.device, "--json", *SANITIZED],
+                              self.args.out / "kernels_sanitizer.log", TIMEOUT_S["sanitizer"], env)
+        errors = [line.strip("= ") for line in text.splitlines()
+                  if line.startswith("=========") and ("Invalid" in line or "Error" in line or "error" in line)]
+        return f"memcheck exit {code}: " + " | ".join(errors[:3])
 
 
 def table(outcomes: list[Outcome]) -> str:

@@ -5,6 +5,7 @@ command it would run on the H100, and it reads torchtitan's logs into the figure
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -186,10 +187,27 @@ def test_a_fixed_ptxas_reaches_every_command_until_the_kernels_check_fails_with_
         return 1, "illegal memory access\n"
 
     monkeypatch.setattr(s, "run", run)
+    sanitized = []
+    monkeypatch.setattr(s, "sanitize", lambda model, env: sanitized.append(env) or "memcheck exit 1: Invalid __shared__ read")
     knobs = {name: "/opt/fixed/ptxas" for name in ptxas.ENVS}
     s.perf_section("mela")
     outcome = s.kernels_section("mela")
     s.perf_section("mela")
     assert envs[0] == knobs and envs[1] == knobs and envs[2] == {}
+    assert sanitized == [knobs]  # the failed check once more under memcheck, with the fixed ptxas
     assert outcome.status.startswith("failed") and outcome.figures["fixed_ptxas"] == "dropped for the later commands"
     assert "dropped for the later commands" in gpu_session.table([outcome])
+
+
+def test_sanitize_runs_the_small_check_under_memcheck_and_keeps_its_first_errors(tmp_path, monkeypatch):
+    s = session(tmp_path)
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    commands = []
+    out = ("========= COMPUTE-SANITIZER\n========= Invalid __shared__ read of size 16 bytes\n"
+           "=========     at whole_sequence_fwd+0x1a0\nok line\n========= ERROR SUMMARY: 1 error\n")
+    monkeypatch.setattr(s, "run", lambda command, *a, **k: commands.append(command) or (1, out))
+    assert s.sanitize("mela", {}) == "memcheck exit 1: Invalid __shared__ read of size 16 bytes | ERROR SUMMARY: 1 error"
+    assert commands[0][:4] == [str(tool), "--tool", "memcheck", "--print-limit"] and "--seq-len" in commands[0]
