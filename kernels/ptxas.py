@@ -1,5 +1,5 @@
 """Which ptxas assembles Triton's Hopper kernels, and whether the whole-sequence kernels may run
-their bf16 products on the tensor cores with it.
+their bf16 products on the tensor cores with it (an opt-in, `TENSOR_CORES_ENV`).
 
 CUDA's ptxas before 13.3 can reuse a register that an asynchronous Hopper `wgmma` is still
 reading when the instruction takes its A operand from registers: the product comes out wrong,
@@ -7,13 +7,13 @@ or a later shared-memory access falls out of bounds. NVIDIA lists the fix in CUD
 notes, and Triton's main branch assembles Hopper kernels with its bundled CUDA 13 ptxas since
 (triton-lang/triton pull request 11781). Triton 3.6, the GPU image's, assembles sm_90 with its
 bundled ptxas 12.8.93. The whole-sequence kernels (kernels/whole_sequence_triton.py) take their
-products' operands from registers (activations, errors and sums computed in the kernel); their
-bf16 tensor-core variant crashed at the Titans shape and gave wrong values at Mela's on an H200
-with Triton 3.6 (2026-11-28), where the same kernels with FMA products matched the reference.
-
-So on sm_90 the kernels use the tensor cores only where Triton's ptxas is >= 13.3
-(`tensor_core_products`); elsewhere they multiply bf16-rounded operands on the FMA units
-(the same values, about 15x fewer FLOP/s on an H100). `use_fixed_ptxas` points Triton at a fixed
+`wgmma` A operands from registers; their bf16 tensor-core variant crashed at the Titans shape and
+gave wrong values at Mela's on an H200 with Triton 3.6 (2026-11-28), where the same kernels with
+FMA products matched the reference. Whether ptxas was the cause is not shown: their SASS from
+12.8 writes no register of an in-flight `HGMMA` before its wait (docs/benchmarks.md, "Fourth
+lease"). So the tensor cores are an opt-in until a GPU shows them equal, and on sm_90 they need
+Triton's ptxas >= 13.3 besides (`tensor_core_products`); otherwise the kernels multiply
+bf16-rounded operands on the FMA units (the same values, about 15x fewer FLOP/s on an H100). `use_fixed_ptxas` points Triton at a fixed
 ptxas when one is installed: a CUDA >= 13.3 toolkit, `pip install nvidia-cuda-nvcc>=13.3` (the
 `gpu` extra), or a Triton that bundles one as `ptxas-blackwell` (Triton 3.9: 13.4).
 Other architectures are not gated: Ampere's `mma.sync` is synchronous, Blackwell's `tcgen05`
@@ -32,6 +32,11 @@ import warnings
 
 WGMMA_FIXED = (13, 3)  # the first ptxas without the register-operand wgmma hazard (CUDA 13.3 release notes)
 HOPPER = 90
+# Opt-in for the whole-sequence kernels' tensor-core bf16 products ("1"): that variant crashed or
+# gave wrong values on an H200 (2026-11-28), the cause is not confirmed (docs/benchmarks.md,
+# "Fourth lease"), so it stays off by default until a lease's kernels check passes with it
+# (scripts/gpu_session.py sets it with its fixed ptxas).
+TENSOR_CORES_ENV = "WHOLE_SEQUENCE_TENSOR_CORES"
 # Triton's knobs for its two ptxas: sm_90 reads the first up to Triton 3.6, the second (named
 # for Blackwell) in Triton 3.9; `use_fixed_ptxas` sets both.
 ENVS = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")

@@ -180,13 +180,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def products(bf16_products: bool, device: torch.device) -> int:
-    """The kernels' BF16 switch: FP32 without bf16 products; with them TENSOR_CORES on a GPU
-    whose Triton ptxas is safe for them (kernels/ptxas.py), else FMA_BF16 (bf16-rounded operands
-    on the FMA units: the same values; warned once), also under TRITON_INTERPRET=1, whose bf16
-    dot is wrong (Triton 3.9: error 2e10 on a 16 x 16 product)."""
+    """The kernels' BF16 switch: FP32 without bf16 products; with them FMA_BF16 (bf16-rounded
+    operands on the FMA units: the same values as bf16 products), or TENSOR_CORES where
+    WHOLE_SEQUENCE_TENSOR_CORES=1 asks for them on a GPU whose Triton ptxas is safe for them
+    (kernels/ptxas.py; an unsafe one is warned once and runs FMA_BF16). Under TRITON_INTERPRET=1
+    always FMA_BF16: the interpreter's bf16 dot is wrong (Triton 3.9: error 2e10 on a 16 x 16
+    product)."""
     if not bf16_products:
         return FP32
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ptxas.TENSOR_CORES_ENV) != "1":
         return FMA_BF16
     arch = ptxas.arch_of(device)
     if ptxas.tensor_core_products(arch, ptxas.version_of(ptxas.triton_ptxas(arch) or "")):

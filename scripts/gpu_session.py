@@ -26,9 +26,9 @@ Sections (`--only` picks some, so that a rerun fits what is left of a lease):
         reference on CUDA and one memory layer's step against the chunk loop, at head_dim 64,
         hidden 256, chunk 64, seq 4096 (titans_mac: the per-token rule; mela: Newton-Schulz).
         With FIXED_PTXAS (a ptxas >= 13.3; gpu_session.sh unpacks the one gpu_wheels.sh packs)
-        every command runs Triton with it, so on Hopper the kernels' bf16 products take the
-        tensor cores (kernels/ptxas.py); if the kernels check fails with it, the commands after
-        it run without it (FMA products), and the table says so; the check then runs once more,
+        every command runs Triton with it and WHOLE_SEQUENCE_TENSOR_CORES=1, so on Hopper the
+        kernels' bf16 products take the tensor cores (kernels/ptxas.py); if the kernels check
+        fails with them, the commands after it run without (FMA products), and the table says so; the check then runs once more,
         small, under compute-sanitizer's memcheck where the image has it (its first errors in the
         table, the whole output in kernels_sanitizer.log).
 Every command runs under the time left of `--budget-s` (each is cut at it; what does not start
@@ -214,10 +214,10 @@ class Session:
         self.deadline = time.monotonic() + args.budget_s
         self.python = os.environ.get("PYTHON", sys.executable)
         self.shape = DEBUG if args.debug else LEASE
-        # FIXED_PTXAS (gpu_session.sh: a ptxas >= 13.3) for every command, until the kernels check
-        # fails with it (kernels/ptxas.py: on Hopper it lets the kernels use the tensor cores)
+        # FIXED_PTXAS (gpu_session.sh: a ptxas >= 13.3) and the tensor-core opt-in for every command,
+        # until the kernels check fails with them (kernels/ptxas.py)
         fixed = os.environ.get("FIXED_PTXAS")
-        self.ptxas_env = {name: fixed for name in ptxas.ENVS} if fixed else {}
+        self.ptxas_env = {**{name: fixed for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "1"} if fixed else {}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()

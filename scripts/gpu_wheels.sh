@@ -66,9 +66,10 @@ ${PIP:-python3 -m pip} download -q --no-deps --only-binary=:all: --python-versio
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d "$DIR" "${PINNED[@]}"
 
-# A fixed ptxas for Hopper (kernels/ptxas.py: Triton <= 3.6 assembles sm_90 with ptxas 12.8, which
-# corrupts the whole-sequence kernels' tensor-core products), xz-compressed to fit a carry (12 MiB):
-# scripts/gpu_session.sh unpacks it; the lease's kernels check decides whether later sections use it.
+# A ptxas >= 13.3 for Hopper (kernels/ptxas.py: Triton <= 3.6 assembles sm_90 with ptxas 12.8, which
+# has a register-operand wgmma fault; the whole-sequence kernels' opt-in tensor-core products need the
+# fixed one), xz-compressed to fit a carry (12 MiB): scripts/gpu_session.sh unpacks it; the lease's
+# kernels check decides whether later sections use it.
 NVCC=$(mktemp -d)
 ${PIP:-python3 -m pip} download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
   --platform manylinux_2_17_x86_64 -d "$NVCC" "nvidia-cuda-nvcc==${PTXAS_VERSION:-13.5.37}"

@@ -176,8 +176,9 @@ def test_main_section_trains_resumes_and_exports_from_a_fresh_work_folder(tmp_pa
 
 
 def test_a_fixed_ptxas_reaches_every_command_until_the_kernels_check_fails_with_it(tmp_path, monkeypatch):
-    """FIXED_PTXAS goes to Triton's knobs in the kernels check and the commands after it; a
-    failed check drops it for the rest (they run Triton's own ptxas: FMA products)."""
+    """FIXED_PTXAS goes to Triton's knobs, with the tensor-core opt-in, in the kernels check and
+    the commands after it; a failed check drops both for the rest (they run Triton's own ptxas:
+    FMA products)."""
     monkeypatch.setenv("FIXED_PTXAS", "/opt/fixed/ptxas")
     s = session(tmp_path, perf_modes=["compiled"])
     envs = []
@@ -189,7 +190,7 @@ def test_a_fixed_ptxas_reaches_every_command_until_the_kernels_check_fails_with_
     monkeypatch.setattr(s, "run", run)
     sanitized = []
     monkeypatch.setattr(s, "sanitize", lambda model, env: sanitized.append(env) or "memcheck exit 1: Invalid __shared__ read")
-    knobs = {name: "/opt/fixed/ptxas" for name in ptxas.ENVS}
+    knobs = {**{name: "/opt/fixed/ptxas" for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "1"}
     s.perf_section("mela")
     outcome = s.kernels_section("mela")
     s.perf_section("mela")

@@ -54,12 +54,17 @@ def test_hopper_needs_ptxas_13_3_other_architectures_do_not():
     assert ptxas.tensor_core_products(100, (12, 9))
 
 
-def test_products_follow_the_ptxas_triton_would_use(clean_env, tmp_path):
-    """On a (pretended) Hopper GPU the switch reads Triton's own ptxas choice: the old one
-    falls back to FMA products with one warning that names the fix, a fixed one takes the
-    tensor cores; fp32 products and CPU devices never depend on ptxas."""
+def test_products_follow_the_opt_in_and_the_ptxas_triton_would_use(clean_env, tmp_path):
+    """On a (pretended) Hopper GPU, tensor cores only on request (WHOLE_SEQUENCE_TENSOR_CORES=1:
+    the variant is not yet validated on a GPU) and then by Triton's own ptxas choice: the old
+    one falls back to FMA products with one warning that names the fix, a fixed one takes the
+    tensor cores; fp32 products and CPU devices never depend on either."""
     clean_env.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
+    point_triton_at(clean_env, fake_ptxas(tmp_path / "fixed", "13.5"))
+    clean_env.delenv(ptxas.TENSOR_CORES_ENV, raising=False)
+    assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16  # not asked for
+    clean_env.setenv(ptxas.TENSOR_CORES_ENV, "1")
     old = point_triton_at(clean_env, fake_ptxas(tmp_path / "old", "12.8"))
     assert ptxas.triton_ptxas(90) == old
     with pytest.warns(UserWarning, match=r"ptxas 12\.8 .*FMA units.*nvidia-cuda-nvcc>=13\.3"):

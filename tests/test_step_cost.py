@@ -207,12 +207,12 @@ def test_whole_sequence_kernels_are_costed_once_per_call():
                            max(m.checkpoint_chunks, 1), backward=False)
     assert fwd.flops == pytest.approx(layers * flops)
     hw = short.hardware
-    assert hw.kernel_tensor_cores  # the default: bf16 products on the tensor cores (a ptxas >= 13.3)
+    assert not hw.kernel_tensor_cores  # the default run: bf16 products on the FMA units (kernels/ptxas.py)
     assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads, bf16=True) - 1e-12
-    assert hw.program_flops(2 * m.n_heads, bf16=True) == hw.bf16_flops * 2 * m.n_heads / hw.sms
-    assert hw.program_flops(2 * m.n_heads, bf16=False) == hw.fp32_flops * 2 * m.n_heads / hw.sms
-    fma = dataclasses.replace(hw, kernel_tensor_cores=False)  # Hopper with an older ptxas (kernels/ptxas.py)
-    assert fma.program_flops(2 * m.n_heads, bf16=True) == hw.fp32_flops * 2 * m.n_heads / hw.sms
+    assert hw.program_flops(2 * m.n_heads, bf16=True) == hw.fp32_flops * 2 * m.n_heads / hw.sms
+    tensor = dataclasses.replace(hw, kernel_tensor_cores=True)  # the opt-in with a ptxas >= 13.3
+    assert tensor.program_flops(2 * m.n_heads, bf16=True) == hw.bf16_flops * 2 * m.n_heads / hw.sms
+    assert tensor.program_flops(2 * m.n_heads, bf16=False) == hw.fp32_flops * 2 * m.n_heads / hw.sms
     with pytest.raises(ValueError, match="no neural memory"):
         predict("transformer_debug", seq_len=64, whole_sequence=True)
 
