@@ -138,3 +138,49 @@ def warn_fma_fallback(arch: int) -> None:
                       f"fix: pip install 'nvidia-cuda-nvcc>=13.3' (found at the run's start: kernels/ptxas.py "
                       f"use_fixed_ptxas) or set {' and '.join(ENVS)} to a CUDA >= 13.3 ptxas",
                       stacklevel=3)
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*(.*?)\s*;")
+# opcodes that write no general register (stores, barriers, branches, fences, uniform-datapath ops)
+_NO_REGISTER_DEST = ("ST", "BAR", "BRA", "WARPGROUP", "EXIT", "RET", "CALL", "RED", "ATOM", "MEMBAR", "DEPBAR",
+                     "NOP", "BSYNC", "BSSY", "WARPSYNC", "FENCE", "ERRBAR", "CCTL", "YIELD", "SYNCS", "U")
+
+
+def _written(op: str, args: str) -> set[int]:
+    """The general registers an instruction writes: its first operand R<n> (2 for .64 / .WIDE,
+    4 for .128), none for opcodes without a register destination."""
+    first = re.fullmatch(r"R(\d+)", args.split(",")[0].strip())
+    if op.startswith(_NO_REGISTER_DEST) or not first:
+        return set()
+    width = 4 if ".128" in op else 2 if ".64" in op or ".WIDE" in op else 1
+    return set(range(int(first.group(1)), int(first.group(1)) + width))
+
+
+def wgmma_hazards(sass: str) -> tuple[int, list[str]]:
+    """(HGMMA count, hazards) in nvdisasm output: every write to a register an issued HGMMA still
+    reads or writes (its register A operand, 4 registers for m64 x k16 bf16, or its accumulator,
+    N / 2 registers for m64 x N) before the `WARPGROUP.DEPBAR.LE gsb0, 0x0` that waits for all,
+    scanned in address order (a straight-line approximation: a branch is not followed). The
+    pattern of ptxas's register-operand wgmma fault before CUDA 13.3 (module docstring)."""
+    count, hazards, inflight = 0, [], []
+    for line in sass.splitlines():
+        found = _SASS_LINE.search(line)
+        if not found:
+            continue
+        address, op, args = found.groups()
+        if op.startswith("HGMMA"):
+            count += 1
+            operands = [a.strip() for a in args.split(",")]
+            n = int(re.search(r"64x(\d+)x", op).group(1))
+            accumulator = set(range(int(operands[0][1:]), int(operands[0][1:]) + n // 2))
+            hazards += [f"{address}: {op} accumulator overlaps the A operand of the HGMMA at {at}"
+                        for a, at in inflight if accumulator & a]
+            if operands[1].startswith("R"):
+                inflight.append((set(range(int(operands[1][1:]), int(operands[1][1:]) + 4)), address))
+        elif op.startswith("WARPGROUP.DEPBAR") and args.endswith("0x0"):
+            inflight = []
+        else:
+            written = _written(op, args)
+            hazards += [f"{address}: {op} {args} writes the A operand of the HGMMA at {at}"
+                        for a, at in inflight if written & a]
+    return count, hazards

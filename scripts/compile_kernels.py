@@ -3,6 +3,7 @@ each fits a block's shared memory and does not spill registers beyond a bound.
 
     python scripts/compile_kernels.py [--head-dim 64 --hidden 256 --chunk 64] [--arch 90]
         [--only fwd,bwd] [--rules token,newton_schulz] [--products fp32,bf16,bf16_fma] [--max-spill BYTES]
+        [--bound] [--wgmma-hazards]
 
 Triton's own compiler (its bundled CUDA backend and ptxas) builds each kernel variant the
 launch would build: the layer's rule (the per-token mix; Newton-Schulz, read after write),
@@ -15,7 +16,10 @@ reads registers and spills only when it loads a kernel on a GPU), the shared mem
 against the card's per-block limit (H100: 232,448 bytes, 227 KiB) and the compile time. It exits 1
 if any variant does not compile, does not fit, or spills more than its bound (stores or loads,
 bytes per thread: MAX_SPILL_BYTES per products, or --max-spill for all): what a lease would
-otherwise find only at its first launch.
+otherwise find only at its first launch. `--wgmma-hazards` also disassembles each kernel (Triton's
+bundled nvdisasm) and counts its HGMMAs and the writes to a register of an in-flight one before
+its wait (kernels/ptxas.py `wgmma_hazards`, the pattern of ptxas's fault before CUDA 13.3); any
+such write fails the run too.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability  
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import whole_sequence_triton  # noqa: E402
+from kernels.ptxas import wgmma_hazards  # noqa: E402
 from kernels.whole_sequence import FMA_BF16, FP32, MUON_COEFFICIENTS, TENSOR_CORES, _blocks  # noqa: E402
 
 SHARED_LIMIT = {90: 232_448}  # opt-in shared memory per block, bytes
@@ -96,6 +101,16 @@ def ptxas_usage(compiled) -> dict:
             "spill_loads": sum(numbers(r"(\d+) bytes spill loads"))}
 
 
+def sass(compiled) -> str:
+    """The kernel's SASS, from Triton's bundled nvdisasm on its cubin."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dim", type=int, default=64)
@@ -107,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--products", default=",".join(PRODUCTS), help=f"comma-separated: {', '.join(PRODUCTS)}")
     p.add_argument("--max-spill", type=int, default=None, help="one bound for all (default MAX_SPILL_BYTES)")
     p.add_argument("--bound", action="store_true", help="the variants with the surprise bound (`limit`)")
+    p.add_argument("--wgmma-hazards", action="store_true", help="scan each kernel's SASS for writes to the registers "
+                   "of an in-flight HGMMA (kernels/ptxas.py)")
     a = p.parse_args(argv)
     limit = SHARED_LIMIT[a.arch]
     print(f"triton {triton.__version__}; sm_{a.arch}; head_dim {a.head_dim}, hidden {a.hidden}, chunk {a.chunk}; "
@@ -129,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                     line = (f"{usage['registers']:>3} registers, spill stores {usage['spill_stores']:>6,} B, "
                             f"loads {usage['spill_loads']:>6,} B{'' if spills <= bound else ' OVER THE BOUND'}; "
                             f"{shared:>9,} B shared, {verdict}")
+                    if a.wgmma_hazards:
+                        count, hazards = wgmma_hazards(sass(compiled))
+                        failed |= bool(hazards)
+                        line += f"; {count} HGMMA, {len(hazards)} writes to in-flight HGMMA registers"
+                        line += "".join(f"\n    {h}" for h in hazards[:3])
                 except Exception as e:  # a variant that does not compile is a finding, not a crash
                     failed = True
                     line = f"DOES NOT COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}"

@@ -98,3 +98,27 @@ def test_use_fixed_ptxas_points_triton_at_an_installed_fixed_one(clean_env, tmp_
     assert ptxas.use_fixed_ptxas(90) == fixed and knobs_at(fixed)
     assert ptxas.triton_ptxas(90) == fixed
     assert ptxas.use_fixed_ptxas(90) is None and knobs_at(fixed)  # already fixed: left alone
+
+
+SASS = """
+        /*2800*/                   WARPGROUP.ARRIVE ;                                                 /* 0x00000000000079c5 */
+        /*2810*/                   HGMMA.64x8x16.F32.BF16 R48, R52, gdesc[UR44].tnspB, RZ, !UPT ;     /* 0x4000002c34307df0 */
+        /*2820*/                   UMOV UR47, 0x40000040 ;                                            /* 0x40000040002f7882 */
+        /*2830*/                   HGMMA.64x8x16.F32.BF16 R48, R76, gdesc[UR56].tnspB, R48, gsb0 ;    /* 0x400000384c307df0 */
+        /*2840*/                   {WRITE}
+        /*28d0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                                    /* 0x00008000000079c5 */
+        /*28e0*/                   FADD R52, RZ, -R48 ;                                               /* 0x80000030ff347221 */
+"""
+
+
+@pytest.mark.parametrize("write, hazards", [
+    ("IMAD.MOV.U32 R87, RZ, RZ, 0x3e800000 ;", 0),  # another register: safe
+    ("FADD R53, RZ, -R20 ;", 1),  # the first HGMMA's A operand (R52-R55) before the wait
+    ("LDS.128 R76, [R2] ;", 1),  # the second's (R76-R79), through a 4-register load
+    ("STS [R52], R3 ;", 0),  # a store reads R52, writes no register
+])
+def test_the_sass_scan_finds_writes_to_the_registers_of_an_in_flight_hgmma(write, hazards):
+    """The write after the wait (FADD R52 at 0x28e0) is never one; only writes between the
+    HGMMA and its WARPGROUP.DEPBAR count."""
+    count, found = ptxas.wgmma_hazards(SASS.replace("{WRITE}", write))
+    assert count == 2 and len(found) == hazards, found
