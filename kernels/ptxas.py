@@ -11,9 +11,10 @@ bundled ptxas 12.8.93. The whole-sequence kernels (kernels/whole_sequence_triton
 gave wrong values at Mela's on an H200 with Triton 3.6 (2026-11-28), where the same kernels with
 FMA products matched the reference. Whether ptxas was the cause is not shown: their SASS from
 12.8 writes no register of an in-flight `HGMMA` before its wait (docs/benchmarks.md, "Fourth
-lease"). So the tensor cores are an opt-in until a GPU shows them equal, and on sm_90 they need
-Triton's ptxas >= 13.3 besides (`tensor_core_products`); otherwise the kernels multiply
-bf16-rounded operands on the FMA units (the same values, about 15x fewer FLOP/s on an H100). `use_fixed_ptxas` points Triton at a fixed
+lease"). So the tensor cores are an opt-in until a GPU shows them equal (`tensor_core_mode`):
+through wgmma, which on sm_90 needs Triton's ptxas >= 13.3 besides (`tensor_core_products`), or
+through mma.sync; otherwise the kernels multiply bf16-rounded operands on the FMA units (the
+same values, about 15x fewer FLOP/s on an H100). `use_fixed_ptxas` points Triton at a fixed
 ptxas when one is installed: a CUDA >= 13.3 toolkit, `pip install nvidia-cuda-nvcc>=13.3` (the
 `gpu` extra), or a Triton that bundles one as `ptxas-blackwell` (Triton 3.9: 13.4).
 Other architectures are not gated: Ampere's `mma.sync` is synchronous, Blackwell's `tcgen05`
@@ -32,11 +33,24 @@ import warnings
 
 WGMMA_FIXED = (13, 3)  # the first ptxas without the register-operand wgmma hazard (CUDA 13.3 release notes)
 HOPPER = 90
-# Opt-in for the whole-sequence kernels' tensor-core bf16 products ("1"): that variant crashed or
-# gave wrong values on an H200 (2026-11-28), the cause is not confirmed (docs/benchmarks.md,
-# "Fourth lease"), so it stays off by default until a lease's kernels check passes with it
-# (scripts/gpu_session.py sets it with its fixed ptxas).
+# Opt-in for the whole-sequence kernels' tensor-core bf16 products: the variant crashed or gave wrong
+# values on an H200 (2026-11-28), cause not confirmed (docs/benchmarks.md, "Fourth lease"), so it
+# stays off by default until a lease's kernels check passes with it (scripts/gpu_session.py).
+# "wgmma": Hopper's asynchronous wgmma, as Triton lowers tl.dot on sm_90 (needs ptxas >= 13.3 there);
+# "mma": the synchronous mma.sync (Triton's MMAv2, DISABLE_MMA_V3 set while these kernels compile),
+# which has neither wgmma fault (its register operands, its N = 8 shared-memory tiles).
 TENSOR_CORES_ENV = "WHOLE_SEQUENCE_TENSOR_CORES"
+TENSOR_CORE_MODES = ("wgmma", "mma")
+
+
+def tensor_core_mode() -> str | None:
+    """The opt-in's value (`TENSOR_CORES_ENV`): None (unset or empty: FMA products), "wgmma" or
+    "mma"; ValueError naming the choices for anything else."""
+    mode = os.environ.get(TENSOR_CORES_ENV) or None
+    if mode is not None and mode not in TENSOR_CORE_MODES:
+        raise ValueError(f"{TENSOR_CORES_ENV}={mode!r}: choose one of {', '.join(TENSOR_CORE_MODES)} (or leave it unset "
+                         "for FMA products)")
+    return mode
 # Triton's knobs for its two ptxas: sm_90 reads the first up to Triton 3.6, the second (named
 # for Blackwell) in Triton 3.9; `use_fixed_ptxas` sets both.
 ENVS = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
@@ -126,7 +140,8 @@ _warned = False
 
 
 def warn_fma_fallback(arch: int) -> None:
-    """Once per process: the kernels run their bf16 products on the FMA units because of ptxas."""
+    """Once per process: the kernels run their bf16 products on the FMA units because the wgmma
+    opt-in met an old ptxas."""
     global _warned
     if not _warned:
         _warned = True

@@ -39,6 +39,7 @@ intermediates from them, so nothing per token is kept besides the inputs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -182,19 +183,42 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def products(bf16_products: bool, device: torch.device) -> int:
     """The kernels' BF16 switch: FP32 without bf16 products; with them FMA_BF16 (bf16-rounded
     operands on the FMA units: the same values as bf16 products), or TENSOR_CORES where
-    WHOLE_SEQUENCE_TENSOR_CORES=1 asks for them on a GPU whose Triton ptxas is safe for them
-    (kernels/ptxas.py; an unsafe one is warned once and runs FMA_BF16). Under TRITON_INTERPRET=1
-    always FMA_BF16: the interpreter's bf16 dot is wrong (Triton 3.9: error 2e10 on a 16 x 16
-    product)."""
+    WHOLE_SEQUENCE_TENSOR_CORES asks for them on a GPU (kernels/ptxas.py): "mma" always, "wgmma"
+    where Triton's ptxas is safe for it (an unsafe one is warned once and runs FMA_BF16). Under
+    TRITON_INTERPRET=1 always FMA_BF16: the interpreter's bf16 dot is wrong (Triton 3.9: error
+    2e10 on a 16 x 16 product)."""
+    mode = ptxas.tensor_core_mode()
     if not bf16_products:
         return FP32
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ptxas.TENSOR_CORES_ENV) != "1":
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or mode is None:
         return FMA_BF16
+    if mode == "mma":
+        return TENSOR_CORES
     arch = ptxas.arch_of(device)
     if ptxas.tensor_core_products(arch, ptxas.version_of(ptxas.triton_ptxas(arch) or "")):
         return TENSOR_CORES
     ptxas.warn_fma_fallback(arch)
     return FMA_BF16
+
+
+@contextlib.contextmanager
+def mma_family(switch: int):
+    """Around a launch (where Triton compiles): with tensor-core products in the "mma" mode,
+    DISABLE_MMA_V3=1, so that Triton lowers these kernels' dots to the synchronous mma.sync
+    (MMAv2) instead of Hopper's wgmma; restored after. Triton keys its kernel cache on that
+    variable, and this process compiles these kernels always under the same mode."""
+    if switch != TENSOR_CORES or ptxas.tensor_core_mode() != "mma":
+        yield
+        return
+    before = os.environ.get("DISABLE_MMA_V3")
+    os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DISABLE_MMA_V3"]
+        else:
+            os.environ["DISABLE_MMA_V3"] = before
 
 
 def _launch_options(q, s1, ns_steps, bf16_products, limit):
@@ -231,11 +255,12 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights
     y = q.new_empty(q.shape, dtype=torch.float32)
     scratch = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32) if ns_steps else y
     scales = _scales(q, limit)
-    _kernels.whole_sequence_fwd[(batch * heads,)](
-        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), _limit_pointer(limit, scales), scales, ck1,
-        ck2, *_group_buffers(q, hidden, checkpoint_every), y, scratch, float(step_scale), chunks, checkpoint_every,
-        chunk, dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write,
-        **_launch_options(q, s1, ns_steps, bf16_products, limit))
+    options = _launch_options(q, s1, ns_steps, bf16_products, limit)
+    with mma_family(options["BF16"]):
+        _kernels.whole_sequence_fwd[(batch * heads,)](
+            _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), _limit_pointer(limit, scales), scales,
+            ck1, ck2, *_group_buffers(q, hidden, checkpoint_every), y, scratch, float(step_scale), chunks,
+            checkpoint_every, chunk, dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **options)
     return y, ck1[:, -1].view(s1.shape).clone(), ck2[:, -1].view(s2.shape).clone(), ck1, ck2, scales
 
 
@@ -268,11 +293,13 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weight
     iterates = q.new_empty(batch * heads, 2, max(ns_steps, 1), dim, hidden, dtype=torch.float32)
     ybuf = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32)
     scales = _scales(q, limit) if scales is None else scales.clone()  # the recomputation rewrites it
-    _kernels.whole_sequence_bwd[(batch * heads,)](
-        _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), _limit_pointer(limit, scales), scales, ck1,
-        ck2, *_group_buffers(q, hidden, checkpoint_every), _flat(dy.to(torch.float32)), ds1, ds2, dq, dk, dv, dtw,
-        dgates, iterates, ybuf, float(step_scale), chunks, checkpoint_every, chunk, dim, hidden,
-        RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **_launch_options(q, ck1, ns_steps, bf16_products, limit))
+    options = _launch_options(q, ck1, ns_steps, bf16_products, limit)
+    with mma_family(options["BF16"]):
+        _kernels.whole_sequence_bwd[(batch * heads,)](
+            _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), _limit_pointer(limit, scales), scales,
+            ck1, ck2, *_group_buffers(q, hidden, checkpoint_every), _flat(dy.to(torch.float32)), ds1, ds2, dq, dk, dv,
+            dtw, dgates, iterates, ybuf, float(step_scale), chunks, checkpoint_every, chunk, dim, hidden,
+            RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **options)
     return dq, dk, dv, dtw, dgates, ds1.view(dn1.shape), ds2.view(dn2.shape)
 
 

@@ -25,12 +25,12 @@ Sections (`--only` picks some, so that a rerun fits what is left of a lease):
   kernels  scripts/bench_whole_sequence.py: the whole-sequence kernels against the torch
         reference on CUDA and one memory layer's step against the chunk loop, at head_dim 64,
         hidden 256, chunk 64, seq 4096 (titans_mac: the per-token rule; mela: Newton-Schulz).
-        With FIXED_PTXAS (a ptxas >= 13.3; gpu_session.sh unpacks the one gpu_wheels.sh packs)
-        every command runs Triton with it and WHOLE_SEQUENCE_TENSOR_CORES=1, so on Hopper the
-        kernels' bf16 products take the tensor cores (kernels/ptxas.py); if the kernels check
-        fails with them, the commands after it run without (FMA products), and the table says so; the check then runs once more,
-        small, under compute-sanitizer's memcheck where the image has it (its first errors in the
-        table, the whole output in kernels_sanitizer.log).
+        The bf16 products are tried in order (kernels/ptxas.py, WHOLE_SEQUENCE_TENSOR_CORES):
+        wgmma with FIXED_PTXAS (a ptxas >= 13.3; gpu_session.sh unpacks the one gpu_wheels.sh
+        packs), then mma.sync, then the FMA units (the default); the first that passes is kept
+        for every later command and the table lists each try. The first failed tensor-core mode
+        runs once more, small, under compute-sanitizer's memcheck where the image has it (its
+        first errors in the table, the whole output in kernels_sanitizer.log).
 Every command runs under the time left of `--budget-s` (each is cut at it; what does not start
 in time is reported as skipped). Results: one markdown table (`gpu_session.md`) and a JSON
 (`gpu_session.json`) under `--out`, beside one log per model of main and one of perf; checkpoints and
@@ -214,10 +214,15 @@ class Session:
         self.deadline = time.monotonic() + args.budget_s
         self.python = os.environ.get("PYTHON", sys.executable)
         self.shape = DEBUG if args.debug else LEASE
-        # FIXED_PTXAS (gpu_session.sh: a ptxas >= 13.3) and the tensor-core opt-in for every command,
-        # until the kernels check fails with them (kernels/ptxas.py)
+        # The whole-sequence kernels' products to try, in order (kernels/ptxas.py): wgmma with FIXED_PTXAS
+        # (gpu_session.sh: a ptxas >= 13.3), mma.sync, the FMA units (the default); the kernels check keeps
+        # the first that passes, and every later command runs with it (`products_env`).
         fixed = os.environ.get("FIXED_PTXAS")
-        self.ptxas_env = {**{name: fixed for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "1"} if fixed else {}
+        knobs = {name: fixed for name in ptxas.ENVS} if fixed else {}
+        self.candidates = ([{**knobs, ptxas.TENSOR_CORES_ENV: "wgmma"}] if fixed else []) + \
+            [{**knobs, ptxas.TENSOR_CORES_ENV: "mma"}, {}]
+        self.products_env = self.candidates[0]
+        self.sanitized = False
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -259,7 +264,7 @@ class Session:
         for stale in (work / config, work / f"{config}_hf"):  # a rerun on a warm machine starts afresh
             shutil.rmtree(stale, ignore_errors=True)
         first = train_args(model, shape, work, steps, self.args.tokenizer)
-        env = {"PYTHON": self.python, "WANDB_MODE": "disabled", **self.ptxas_env}
+        env = {"PYTHON": self.python, "WANDB_MODE": "disabled", **self.products_env}
         code, text = self.run(self.train_command(first), log, TIMEOUT_S["train"], env)
         outcome.figures = step_figures(text, shape.seq_len * BATCH)
         if code != 0:
@@ -290,7 +295,7 @@ class Session:
         log = self.args.out / "perf.log"
         for mode in perf_modes(model, self.shape, self.args.perf_modes):
             code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, mode)], log,
-                                  TIMEOUT_S["perf"], self.ptxas_env)
+                                  TIMEOUT_S["perf"], self.products_env)
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
             outcome.figures[mode] = rows[0] if rows and code == 0 else {"error": skipped_or_failed(code, mode, text)}
             if mode.endswith("_graphs") and (stepped := outcome.figures.get(mode.removesuffix("_graphs"))):
@@ -304,17 +309,27 @@ class Session:
         if model not in KERNEL_RULES:
             outcome.status = "skipped: no neural memory"
             return outcome
-        env = {"TRITON_INTERPRET": "1"} if self.shape.device == "cpu" else {}
-        code, text = self.run([self.python, "scripts/bench_whole_sequence.py", *kernels_args(model, self.shape)],
-                              self.args.out / "kernels.log", TIMEOUT_S["kernels"], {**env, **self.ptxas_env})
-        rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
-        if rows:
-            outcome.figures = rows[0]
-        outcome.status = "ok" if code == 0 and rows else skipped_or_failed(code, "whole-sequence kernels", text)
-        if self.ptxas_env and outcome.status != "ok":  # the later commands run Triton's own ptxas (FMA products)
-            outcome.figures["fixed_ptxas"] = "dropped for the later commands"
-            outcome.figures["sanitizer"] = self.sanitize(model, {**env, **self.ptxas_env})
-            self.ptxas_env = {}
+        interpreted = {"TRITON_INTERPRET": "1"} if self.shape.device == "cpu" else {}
+        tried, sanitizer = [], {}
+        start = self.candidates.index(self.products_env)
+        for env in self.candidates[start:]:  # from the products kept so far on, until one passes
+            code, text = self.run([self.python, "scripts/bench_whole_sequence.py", *kernels_args(model, self.shape)],
+                                  self.args.out / "kernels.log", TIMEOUT_S["kernels"], {**interpreted, **env})
+            rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
+            passed = code == 0 and bool(rows)
+            tried.append(f"{env.get(ptxas.TENSOR_CORES_ENV, 'fma')}: "
+                         f"{'ok' if passed else skipped_or_failed(code, 'check', text)}")
+            outcome.figures = {**(rows[0] if rows else {}), "tried": tried}
+            outcome.status = "ok" if passed else skipped_or_failed(code, "whole-sequence kernels", text)
+            if passed:
+                self.products_env = env
+                break
+            if env and not self.sanitized:  # the first failed tensor-core mode, once more under memcheck
+                self.sanitized = True
+                sanitizer = {"sanitizer": self.sanitize(model, {**interpreted, **env})}
+        else:  # none passed: the later commands run the default (FMA products)
+            self.products_env = self.candidates[-1]
+        outcome.figures.update(sanitizer)
         return outcome
 
     def sanitize(self, model: str, env: dict) -> str:
@@ -351,10 +366,10 @@ def table(outcomes: list[Outcome]) -> str:
         elif o.section == "kernels":
             detail = (f"vs reference {f['max_relative_error']:.1e} fp32, {f.get('bf16_relative_error', float('nan')):.1e} "
                       f"bf16 on the {f.get('bf16_product_units')} (ptxas {f.get('ptxas')}; torch under autocast "
-                      f"{f.get('autocast_relative_error', float('nan')):.1e}); {f.get('fixed_ptxas', '')} "
+                      f"{f.get('autocast_relative_error', float('nan')):.1e}); tried {f.get('tried')}; "
                       f"layer {f['whole_sequence_ms']:.1f} ms vs chunk loop "
                       f"{f['chunk_loop_ms']:.1f} ms ({f['speedup']:.2f}x)") if "max_relative_error" in f \
-                else f.get("fixed_ptxas", "")
+                else f"tried {f.get('tried')}; {f.get('sanitizer', '')}"
             lines.append(f"| kernels {f.get('rule', '')} | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} "
                          f"| - | - | - | {detail} |")
         else:
@@ -453,7 +468,8 @@ def main(argv: list[str] | None = None) -> None:
         versions["triton"] = triton.__version__
     except ImportError:
         versions["triton"] = None
-    versions["fixed_ptxas"] = session.ptxas_env and ".".join(map(str, ptxas.version_of(session.ptxas_env[ptxas.ENVS[0]]) or ()))
+    fixed = os.environ.get("FIXED_PTXAS")
+    versions["fixed_ptxas"] = fixed and ".".join(map(str, ptxas.version_of(fixed) or ()))
     print(f"gpu_session: {versions}", flush=True)
     outcomes = []
     for section in args.only:

@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (default: fp32 peak, "
                    "torch's allow_tf32=False, as bench_models.py runs)")
     p.add_argument("--tensor-core-kernels", action="store_true", help="the whole-sequence kernels' bf16 products on "
-                   "the tensor cores, as with WHOLE_SEQUENCE_TENSOR_CORES=1 and a ptxas >= 13.3 (default: the FMA "
+                   "the tensor cores, as with WHOLE_SEQUENCE_TENSOR_CORES=wgmma and a ptxas >= 13.3 (default: the FMA "
                    "units, the default run; kernels/ptxas.py)")
     p.add_argument("--launch-floor-us", type=float, help="cost added per launch (default: the mode's LAUNCH_S)")
     p.add_argument("--sync-us", type=float, default=HOST_SYNC_S * 1e6, help="cost of one host sync")

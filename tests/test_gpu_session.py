@@ -175,29 +175,43 @@ def test_main_section_trains_resumes_and_exports_from_a_fresh_work_folder(tmp_pa
     assert outcome.figures["hf_export"].startswith("PASS")
 
 
-def test_a_fixed_ptxas_reaches_every_command_until_the_kernels_check_fails_with_it(tmp_path, monkeypatch):
-    """FIXED_PTXAS goes to Triton's knobs, with the tensor-core opt-in, in the kernels check and
-    the commands after it; a failed check drops both for the rest (they run Triton's own ptxas:
-    FMA products)."""
+def test_the_kernels_check_tries_wgmma_then_mma_then_fma_and_later_commands_keep_the_first_that_passes(
+        tmp_path, monkeypatch):
+    """With FIXED_PTXAS: wgmma (Triton's knobs at it) first; it fails here, so it runs once more
+    under memcheck and mma.sync is tried, passes, and is what the commands after it (perf, a
+    second model's check) run with; without FIXED_PTXAS the tries start at mma.sync; all three
+    failing ends at the FMA units, reported."""
     monkeypatch.setenv("FIXED_PTXAS", "/opt/fixed/ptxas")
     s = session(tmp_path, perf_modes=["compiled"])
     envs = []
+    row = '{"rule": "newton_schulz", "max_relative_error": 2e-06, "equal": true, "whole_sequence_ms": 10.0, ' \
+          '"chunk_loop_ms": 80.0, "speedup": 8.0, "tokens_per_s": 819200.0}'
 
     def run(command, log, timeout, env=None):
         envs.append(dict(env or {}))
-        return 1, "illegal memory access\n"
+        mode = (env or {}).get(ptxas.TENSOR_CORES_ENV)
+        return (1, "illegal memory access\n") if mode == "wgmma" else (0, f"JSON {row}\n")
 
     monkeypatch.setattr(s, "run", run)
     sanitized = []
     monkeypatch.setattr(s, "sanitize", lambda model, env: sanitized.append(env) or "memcheck exit 1: Invalid __shared__ read")
-    knobs = {**{name: "/opt/fixed/ptxas" for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "1"}
+    knobs = {name: "/opt/fixed/ptxas" for name in ptxas.ENVS}
+    wgmma, mma = {**knobs, ptxas.TENSOR_CORES_ENV: "wgmma"}, {**knobs, ptxas.TENSOR_CORES_ENV: "mma"}
     s.perf_section("mela")
     outcome = s.kernels_section("mela")
     s.perf_section("mela")
-    assert envs[0] == knobs and envs[1] == knobs and envs[2] == {}
-    assert sanitized == [knobs]  # the failed check once more under memcheck, with the fixed ptxas
-    assert outcome.status.startswith("failed") and outcome.figures["fixed_ptxas"] == "dropped for the later commands"
-    assert "dropped for the later commands" in gpu_session.table([outcome])
+    s.kernels_section("titans_mac")
+    assert envs == [wgmma, wgmma, mma, mma, mma] and sanitized == [wgmma]
+    assert outcome.status == "ok" and outcome.figures["tried"] == ["wgmma: failed: check exit 1: illegal memory access", "mma: ok"]
+    assert outcome.figures["sanitizer"].startswith("memcheck exit 1") and "mma: ok" in gpu_session.table([outcome])
+    monkeypatch.delenv("FIXED_PTXAS")
+    (tmp_path / "plain").mkdir()
+    plain = session(tmp_path / "plain")
+    monkeypatch.setattr(plain, "run", lambda command, log, timeout, env=None: envs.append(dict(env or {})) or (1, "NOT equal\n"))
+    monkeypatch.setattr(plain, "sanitize", lambda model, env: "memcheck exit 0: ")
+    failed = plain.kernels_section("mela")
+    assert envs[-2:] == [{ptxas.TENSOR_CORES_ENV: "mma"}, {}] and plain.products_env == {}
+    assert failed.status.startswith("failed") and failed.figures["tried"][-1].startswith("fma: failed")
 
 
 def test_sanitize_runs_the_small_check_under_memcheck_and_keeps_its_first_errors(tmp_path, monkeypatch):

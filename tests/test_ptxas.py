@@ -32,7 +32,7 @@ def knobs_at(path: str) -> bool:
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in (*ptxas.ENVS, "CUDA_HOME", "CUDA_PATH", "TRITON_INTERPRET"):
+    for name in (*ptxas.ENVS, ptxas.TENSOR_CORES_ENV, "CUDA_HOME", "CUDA_PATH", "TRITON_INTERPRET"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(ptxas, "_warned", False)
     return monkeypatch
@@ -55,26 +55,51 @@ def test_hopper_needs_ptxas_13_3_other_architectures_do_not():
 
 
 def test_products_follow_the_opt_in_and_the_ptxas_triton_would_use(clean_env, tmp_path):
-    """On a (pretended) Hopper GPU, tensor cores only on request (WHOLE_SEQUENCE_TENSOR_CORES=1:
-    the variant is not yet validated on a GPU) and then by Triton's own ptxas choice: the old
-    one falls back to FMA products with one warning that names the fix, a fixed one takes the
-    tensor cores; fp32 products and CPU devices never depend on either."""
+    """On a (pretended) Hopper GPU, tensor cores only on request (WHOLE_SEQUENCE_TENSOR_CORES:
+    the variant is not yet validated on a GPU): "mma" whatever the ptxas, "wgmma" by Triton's own
+    ptxas choice (the old one falls back to FMA products with one warning that names the fix, a
+    fixed one takes the tensor cores); fp32 products and CPU devices never depend on either; an
+    unknown mode is refused by name."""
     clean_env.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
-    point_triton_at(clean_env, fake_ptxas(tmp_path / "fixed", "13.5"))
-    clean_env.delenv(ptxas.TENSOR_CORES_ENV, raising=False)
-    assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16  # not asked for
-    clean_env.setenv(ptxas.TENSOR_CORES_ENV, "1")
     old = point_triton_at(clean_env, fake_ptxas(tmp_path / "old", "12.8"))
     assert ptxas.triton_ptxas(90) == old
+    assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16  # not asked for
+    clean_env.setenv(ptxas.TENSOR_CORES_ENV, "mma")
+    assert whole_sequence.products(True, cuda) == whole_sequence.TENSOR_CORES
+    clean_env.setenv(ptxas.TENSOR_CORES_ENV, "wgmma")
     with pytest.warns(UserWarning, match=r"ptxas 12\.8 .*FMA units.*nvidia-cuda-nvcc>=13\.3"):
         assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16
     point_triton_at(clean_env, fake_ptxas(tmp_path / "new", "13.4"))
     assert whole_sequence.products(True, cuda) == whole_sequence.TENSOR_CORES
     assert whole_sequence.products(False, cuda) == whole_sequence.FP32
     assert whole_sequence.products(True, torch.device("cpu")) == whole_sequence.FMA_BF16
+    clean_env.setenv(ptxas.TENSOR_CORES_ENV, "tf32")
+    with pytest.raises(ValueError, match="WHOLE_SEQUENCE_TENSOR_CORES='tf32': choose one of wgmma, mma"):
+        whole_sequence.products(True, cuda)
+    clean_env.setenv(ptxas.TENSOR_CORES_ENV, "wgmma")
     clean_env.setenv("TRITON_INTERPRET", "1")
     assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16
+
+
+def test_the_mma_mode_disables_wgmma_only_while_its_kernels_compile(clean_env):
+    """DISABLE_MMA_V3 is set inside the launch (where Triton compiles) of a tensor-core launch in
+    the "mma" mode only, and restored after, so other Triton kernels (flex attention, inductor's)
+    keep wgmma."""
+    clean_env.delenv("DISABLE_MMA_V3", raising=False)
+    seen = []
+    for mode, switch in (("mma", whole_sequence.TENSOR_CORES), ("mma", whole_sequence.FMA_BF16),
+                         ("wgmma", whole_sequence.TENSOR_CORES)):
+        clean_env.setenv(ptxas.TENSOR_CORES_ENV, mode)
+        with whole_sequence.mma_family(switch):
+            seen.append(os.environ.get("DISABLE_MMA_V3"))
+        assert "DISABLE_MMA_V3" not in os.environ
+    assert seen == ["1", None, None]
+    clean_env.setenv("DISABLE_MMA_V3", "0")
+    clean_env.setenv(ptxas.TENSOR_CORES_ENV, "mma")
+    with whole_sequence.mma_family(whole_sequence.TENSOR_CORES):
+        assert os.environ["DISABLE_MMA_V3"] == "1"
+    assert os.environ["DISABLE_MMA_V3"] == "0"
 
 
 def test_candidates_put_the_knob_then_the_toolkit_first(clean_env, tmp_path):

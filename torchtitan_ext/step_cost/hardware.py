@@ -62,7 +62,7 @@ class Hardware:
     launch_s: float = LAUNCH_FLOOR_S
     sync_s: float = HOST_SYNC_S
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
-    # the whole-sequence kernels' bf16 products on the tensor cores (opt-in, WHOLE_SEQUENCE_TENSOR_CORES=1
+    # the whole-sequence kernels' bf16 products on the tensor cores (opt-in, WHOLE_SEQUENCE_TENSOR_CORES=wgmma
     # with a ptxas >= 13.3: kernels/ptxas.py); False, the default run: on the FMA units
     kernel_tensor_cores: bool = False
     sms: int = SMS
