@@ -69,12 +69,14 @@ def version_of(path: str) -> tuple[int, int] | None:
 
 def triton_ptxas(arch: int = HOPPER) -> str | None:
     """The path of the ptxas Triton assembles `arch` (e.g. 90) with, honouring its knobs (`ENVS`);
-    None without Triton's NVIDIA backend."""
+    None without Triton's NVIDIA backend or its ptxas (Triton raises RuntimeError for a missing
+    binary; older ones take no `arch`)."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
-    except ImportError:
+
+        return get_ptxas(arch).path
+    except (ImportError, RuntimeError, TypeError):
         return None
-    return get_ptxas(arch).path
 
 
 def tensor_core_products(arch: int, ptxas_version: tuple[int, int] | None) -> bool:
@@ -93,11 +95,7 @@ def fixed_ptxas_candidates() -> list[str]:
             paths.append(os.path.join(home, "bin", "ptxas"))
     for site in sys.path:
         paths += sorted(glob.glob(os.path.join(site, "nvidia", "cu1[3-9]", "bin", "ptxas")))
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        paths.append(get_ptxas(100).path)
-    except ImportError:
-        pass
+    paths.append(triton_ptxas(100) or "")
     return [p for p in dict.fromkeys(paths) if p and os.path.isfile(p)]
 
 
@@ -112,23 +110,25 @@ def arch_of(device) -> int | None:
 
 
 def use_fixed_ptxas(arch: int | None) -> str | None:
-    """On an sm_90 GPU whose Triton ptxas is older than 13.3: point Triton's knobs (`ENVS`) at the
-    first fixed ptxas found (`fixed_ptxas_candidates`) and return it; else change nothing and return
-    None. Call before any Triton kernel is compiled (a training run's start); a ptxas from a newer
+    """With the wgmma opt-in (`tensor_core_mode`), on an sm_90 GPU whose Triton ptxas is older than
+    13.3: point Triton's knobs (`ENVS`) at the first fixed ptxas found (`fixed_ptxas_candidates`)
+    and return it; else change nothing and return None (without the opt-in every Triton kernel
+    keeps the ptxas it had). Call before any Triton kernel is compiled (a run's start); a ptxas from a newer
     CUDA major version than the driver's is skipped (its binaries need that driver). `arch`
     None (not a CUDA device, `arch_of`): nothing."""
-    if arch is None or arch != HOPPER or tensor_core_products(arch, version_of(triton_ptxas(arch) or "")):
+    if (tensor_core_mode() != "wgmma" or arch != HOPPER
+            or tensor_core_products(arch, version_of(triton_ptxas(arch) or ""))):
         return None
-    driver_major = _driver_major()
+    driver = driver_major()
     for path in fixed_ptxas_candidates():
         version = version_of(path)
-        if version is not None and version >= WGMMA_FIXED and (driver_major is None or version[0] <= driver_major):
+        if version is not None and version >= WGMMA_FIXED and (driver is None or version[0] <= driver):
             os.environ.update({name: path for name in ENVS})
             return path
     return None
 
 
-def _driver_major() -> int | None:
+def driver_major() -> int | None:
     """The CUDA major version the installed driver supports (13 for 13000), None unknown."""
     import torch
 
@@ -148,8 +148,8 @@ def warn_fma_fallback(arch: int) -> None:
         path = triton_ptxas(arch)
         version = ".".join(map(str, version_of(path or "") or ("unknown",)))
         warnings.warn(f"whole-sequence memory kernels: Triton assembles sm_{arch} with ptxas {version} "
-                      f"({path}), older than {WGMMA_FIXED[0]}.{WGMMA_FIXED[1]} (it corrupts "
-                      f"register-operand wgmma), so their bf16 products run on the FMA units (~15x slower); "
+                      f"({path}), older than {WGMMA_FIXED[0]}.{WGMMA_FIXED[1]} (NVIDIA fixed a register-operand "
+                      f"wgmma fault in 13.3), so their bf16 products run on the FMA units (~15x slower); "
                       f"fix: pip install 'nvidia-cuda-nvcc>=13.3' (found at the run's start: kernels/ptxas.py "
                       f"use_fixed_ptxas) or set {' and '.join(ENVS)} to a CUDA >= 13.3 ptxas",
                       stacklevel=3)
@@ -157,27 +157,32 @@ def warn_fma_fallback(arch: int) -> None:
 
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*(.*?)\s*;")
 # opcodes that write no general register (stores, barriers, branches, fences, uniform-datapath ops)
-_NO_REGISTER_DEST = ("ST", "BAR", "BRA", "WARPGROUP", "EXIT", "RET", "CALL", "RED", "ATOM", "MEMBAR", "DEPBAR",
+_NO_REGISTER_DEST = ("ST", "BAR", "BRA", "WARPGROUP", "EXIT", "RET", "CALL", "RED", "MEMBAR", "DEPBAR",
                      "NOP", "BSYNC", "BSSY", "WARPSYNC", "FENCE", "ERRBAR", "CCTL", "YIELD", "SYNCS", "U")
 
 
 def _written(op: str, args: str) -> set[int]:
-    """The general registers an instruction writes: its first operand R<n> (2 for .64 / .WIDE,
-    4 for .128), none for opcodes without a register destination."""
+    """The general registers an instruction writes: its first operand R<n>, 4 registers for .128
+    and the 4-matrix LDSM (.4), 2 for .64, .WIDE and the 2-matrix LDSM (.2), else 1; none for
+    opcodes without a register destination."""
     first = re.fullmatch(r"R(\d+)", args.split(",")[0].strip())
     if op.startswith(_NO_REGISTER_DEST) or not first:
         return set()
-    width = 4 if ".128" in op else 2 if ".64" in op or ".WIDE" in op else 1
+    matrices = re.fullmatch(r"LDSM\..*\.(\d)", op)
+    width = (int(matrices.group(1)) if matrices else 4 if ".128" in op else 2 if ".64" in op or ".WIDE" in op
+             else 1)
     return set(range(int(first.group(1)), int(first.group(1)) + width))
 
 
 def wgmma_hazards(sass: str) -> tuple[int, list[str]]:
-    """(HGMMA count, hazards) in nvdisasm output: every write to a register an issued HGMMA still
-    reads or writes (its register A operand, 4 registers for m64 x k16 bf16, or its accumulator,
-    N / 2 registers for m64 x N) before the `WARPGROUP.DEPBAR.LE gsb0, 0x0` that waits for all,
-    scanned in address order (a straight-line approximation: a branch is not followed). The
-    pattern of ptxas's register-operand wgmma fault before CUDA 13.3 (module docstring)."""
-    count, hazards, inflight = 0, [], []
+    """(HGMMA count, hazards) in nvdisasm output: every write, by another instruction, to a
+    register an issued HGMMA still reads or writes (its register A operand, 4 registers for
+    m64 x k16 bf16, or its accumulator, N / 2 registers for m64 x N), and every HGMMA whose
+    accumulator overlaps an in-flight one's A operand, before the `WARPGROUP.DEPBAR.LE gsb0, 0x0`
+    that waits for all; scanned in address order (a straight-line approximation: a branch is not
+    followed). The pattern of ptxas's register-operand wgmma fault before CUDA 13.3 (module
+    docstring). HGMMAs chaining one accumulator are the normal case, not a hazard."""
+    count, hazards, operands_in_flight, accumulators_in_flight = 0, [], [], []
     for line in sass.splitlines():
         found = _SASS_LINE.search(line)
         if not found:
@@ -189,13 +194,16 @@ def wgmma_hazards(sass: str) -> tuple[int, list[str]]:
             n = int(re.search(r"64x(\d+)x", op).group(1))
             accumulator = set(range(int(operands[0][1:]), int(operands[0][1:]) + n // 2))
             hazards += [f"{address}: {op} accumulator overlaps the A operand of the HGMMA at {at}"
-                        for a, at in inflight if accumulator & a]
+                        for a, at in operands_in_flight if accumulator & a]
+            accumulators_in_flight.append((accumulator, address))
             if operands[1].startswith("R"):
-                inflight.append((set(range(int(operands[1][1:]), int(operands[1][1:]) + 4)), address))
+                operands_in_flight.append((set(range(int(operands[1][1:]), int(operands[1][1:]) + 4)), address))
         elif op.startswith("WARPGROUP.DEPBAR") and args.endswith("0x0"):
-            inflight = []
+            operands_in_flight, accumulators_in_flight = [], []
         else:
             written = _written(op, args)
-            hazards += [f"{address}: {op} {args} writes the A operand of the HGMMA at {at}"
-                        for a, at in inflight if written & a]
+            hazards += [f"{address}: {op} {args} writes the {what} of the HGMMA at {at}"
+                        for what, in_flight in (("A operand", operands_in_flight),
+                                                ("accumulator", accumulators_in_flight))
+                        for registers, at in in_flight if written & registers]
     return count, hazards

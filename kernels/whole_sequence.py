@@ -46,7 +46,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import ptxas
+from kernels.ptxas import arch_of, tensor_core_mode, tensor_core_products, triton_ptxas, version_of, warn_fma_fallback
 from kernels.reference import MUON_COEFFICIENTS, newton_schulz_reference
 
 try:
@@ -187,29 +187,26 @@ def products(bf16_products: bool, device: torch.device) -> int:
     where Triton's ptxas is safe for it (an unsafe one is warned once and runs FMA_BF16). Under
     TRITON_INTERPRET=1 always FMA_BF16: the interpreter's bf16 dot is wrong (Triton 3.9: error
     2e10 on a 16 x 16 product)."""
-    mode = ptxas.tensor_core_mode()
     if not bf16_products:
         return FP32
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or mode is None:
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return FMA_BF16
+    mode = tensor_core_mode()
+    if mode is None:
         return FMA_BF16
     if mode == "mma":
         return TENSOR_CORES
-    arch = ptxas.arch_of(device)
-    if ptxas.tensor_core_products(arch, ptxas.version_of(ptxas.triton_ptxas(arch) or "")):
+    arch = arch_of(device)
+    if tensor_core_products(arch, version_of(triton_ptxas(arch) or "")):
         return TENSOR_CORES
-    ptxas.warn_fma_fallback(arch)
+    warn_fma_fallback(arch)
     return FMA_BF16
 
 
 @contextlib.contextmanager
-def mma_family(switch: int):
-    """Around a launch (where Triton compiles): with tensor-core products in the "mma" mode,
-    DISABLE_MMA_V3=1, so that Triton lowers these kernels' dots to the synchronous mma.sync
-    (MMAv2) instead of Hopper's wgmma; restored after. Triton keys its kernel cache on that
-    variable, and this process compiles these kernels always under the same mode."""
-    if switch != TENSOR_CORES or ptxas.tensor_core_mode() != "mma":
-        yield
-        return
+def without_wgmma():
+    """DISABLE_MMA_V3=1 inside (Triton then lowers tl.dot to the synchronous mma.sync, MMAv2,
+    instead of Hopper's wgmma), its former value restored after."""
     before = os.environ.get("DISABLE_MMA_V3")
     os.environ["DISABLE_MMA_V3"] = "1"
     try:
@@ -219,6 +216,14 @@ def mma_family(switch: int):
             del os.environ["DISABLE_MMA_V3"]
         else:
             os.environ["DISABLE_MMA_V3"] = before
+
+
+def mma_family(switch: int):
+    """Around a launch (where Triton compiles): `without_wgmma` for tensor-core products in the
+    "mma" mode, else nothing. Triton's disk cache keys on DISABLE_MMA_V3; its in-process cache
+    of a kernel does not, which holds because a process runs these kernels in one mode (the
+    environment's, read here at each launch)."""
+    return without_wgmma() if switch == TENSOR_CORES and tensor_core_mode() == "mma" else contextlib.nullcontext()
 
 
 def _launch_options(q, s1, ns_steps, bf16_products, limit):

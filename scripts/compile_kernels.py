@@ -2,12 +2,13 @@
 each fits a block's shared memory and does not spill registers beyond a bound.
 
     python scripts/compile_kernels.py [--head-dim 64 --hidden 256 --chunk 64] [--arch 90]
-        [--only fwd,bwd] [--rules token,newton_schulz] [--products fp32,bf16,bf16_mma,bf16_fma] [--max-spill BYTES]
+        [--only fwd,bwd] [--rules token,newton_schulz] [--products fp32,bf16_wgmma,bf16_mma,bf16_fma]
+        [--max-spill BYTES]
         [--bound] [--wgmma-hazards]
 
 Triton's own compiler (its bundled CUDA backend and ptxas) builds each kernel variant the
 launch would build: the layer's rule (the per-token mix; Newton-Schulz, read after write),
-fp32 products, bf16 products on the tensor cores through Hopper's wgmma (`bf16`: the opt-in
+fp32 products, bf16 products on the tensor cores through Hopper's wgmma (`bf16_wgmma`: the opt-in
 WHOLE_SEQUENCE_TENSOR_CORES=wgmma, kernels/ptxas.py) or through mma.sync (`bf16_mma`: the
 opt-in "mma", compiled with DISABLE_MMA_V3=1), or on the FMA units (`bf16_fma`, the default), with the
 launch options of kernels/whole_sequence.py (blocks, warps,
@@ -26,6 +27,7 @@ such write fails the run too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -42,22 +44,22 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import whole_sequence_triton  # noqa: E402
 from kernels.ptxas import wgmma_hazards  # noqa: E402
-from kernels.whole_sequence import FMA_BF16, FP32, MUON_COEFFICIENTS, TENSOR_CORES, _blocks  # noqa: E402
+from kernels.whole_sequence import FMA_BF16, FP32, MUON_COEFFICIENTS, TENSOR_CORES, _blocks, without_wgmma  # noqa: E402
 
 SHARED_LIMIT = {90: 232_448}  # opt-in shared memory per block, bytes
 # Spill stores or loads per thread a variant may have, per products, at the paper shape (Triton
 # 3.9, sm_90a, its ptxas 13.4), summed over the kernel and the functions it calls: the worst variant
-# now, rounded up. bf16 on the tensor cores (the training default under autocast with a fixed
+# now, rounded up. bf16 through wgmma (the opt-in WHOLE_SEQUENCE_TENSOR_CORES=wgmma, with a fixed
 # ptxas): the Newton-Schulz backward's 1,100 B of loads with the surprise bound (--bound; 916 B
 # without), the per-token backward 580 B (424 B), the forwards none. bf16 through mma.sync: the
 # per-token backward's 1,224 B of loads with the bound (976 B without), the Newton-Schulz backward
-# 724 B (556 B), the forwards <= 24 B. bf16 on the FMA units
-# (operands rounded to bf16: Hopper with an older ptxas): the Newton-Schulz backward's 24,508 B
+# 724 B (556 B), the forwards <= 24 B. bf16 on the FMA units (operands rounded to bf16: the
+# training default under autocast): the Newton-Schulz backward's 24,508 B
 # (with the bound), the per-token backward 4,544 B, the forwards <= 588 B. fp32: the
 # Newton-Schulz backward's 39,996 B. Why not 0: kernels/whole_sequence_triton.py.
-MAX_SPILL_BYTES = {"bf16": 1_152, "bf16_mma": 1_280, "bf16_fma": 25_600, "fp32": 40_960}
+MAX_SPILL_BYTES = {"bf16_wgmma": 1_152, "bf16_mma": 1_280, "bf16_fma": 25_600, "fp32": 40_960}
 # the kernels' BF16 switch per products; bf16_mma is the tensor-core switch compiled without wgmma
-PRODUCTS = {"fp32": FP32, "bf16": TENSOR_CORES, "bf16_mma": TENSOR_CORES, "bf16_fma": FMA_BF16}
+PRODUCTS = {"fp32": FP32, "bf16_wgmma": TENSOR_CORES, "bf16_mma": TENSOR_CORES, "bf16_fma": FMA_BF16}
 RULES = {"token": (0, False), "newton_schulz": (5, True)}  # (ns_steps, read_after_write)
 INTEGERS = ("N", "G", "C", "D", "HD")
 
@@ -82,13 +84,9 @@ def compile_variant(kernel: str, rule: str, products: str, dim: int, hidden: int
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name.endswith("_ptr") or sizes.get(name, 1) % 16 == 0}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-    os.environ.pop("DISABLE_MMA_V3", None)
-    if products == "bf16_mma":  # Triton's MMAv2 (mma.sync) instead of wgmma, as kernels/whole_sequence.py mma_family
-        os.environ["DISABLE_MMA_V3"] = "1"
-    try:
+    # bf16_mma: Triton's MMAv2 (mma.sync) instead of wgmma, as the "mma" mode launches them
+    with without_wgmma() if products == "bf16_mma" else contextlib.nullcontext():
         return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
-    finally:
-        os.environ.pop("DISABLE_MMA_V3", None)
 
 
 def ptxas_usage(compiled) -> dict:

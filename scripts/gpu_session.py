@@ -215,14 +215,16 @@ class Session:
         self.python = os.environ.get("PYTHON", sys.executable)
         self.shape = DEBUG if args.debug else LEASE
         # The whole-sequence kernels' products to try, in order (kernels/ptxas.py): wgmma with FIXED_PTXAS
-        # (gpu_session.sh: a ptxas >= 13.3), mma.sync, the FMA units (the default); the kernels check keeps
-        # the first that passes, and every later command runs with it (`products_env`).
+        # (gpu_session.sh: a ptxas >= 13.3), mma.sync (Triton's own ptxas), the FMA units (the default,
+        # the opt-in set empty so that an outer one cannot leak in). Every command runs the FMA units
+        # until a kernels check passes with a tensor-core form; then the commands after it run that form
+        # (`products_env`), and the next check starts from it (`next_try`).
         fixed = os.environ.get("FIXED_PTXAS")
-        knobs = {name: fixed for name in ptxas.ENVS} if fixed else {}
-        self.candidates = ([{**knobs, ptxas.TENSOR_CORES_ENV: "wgmma"}] if fixed else []) + \
-            [{**knobs, ptxas.TENSOR_CORES_ENV: "mma"}, {}]
-        self.products_env = self.candidates[0]
-        self.sanitized = False
+        version, driver = ptxas.version_of(fixed) if fixed else None, ptxas.driver_major()
+        usable = version is not None and version >= ptxas.WGMMA_FIXED and (driver is None or version[0] <= driver)
+        wgmma = [{**{name: fixed for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "wgmma"}] if usable else []
+        self.candidates = [*wgmma, {ptxas.TENSOR_CORES_ENV: "mma"}, {ptxas.TENSOR_CORES_ENV: ""}]
+        self.products_env, self.next_try, self.sanitized = self.candidates[-1], 0, False
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -311,24 +313,24 @@ class Session:
             return outcome
         interpreted = {"TRITON_INTERPRET": "1"} if self.shape.device == "cpu" else {}
         tried, sanitizer = [], {}
-        start = self.candidates.index(self.products_env)
-        for env in self.candidates[start:]:  # from the products kept so far on, until one passes
+        for index in range(self.next_try, len(self.candidates)):  # from the form kept so far on, until one passes
+            env = self.candidates[index]
             code, text = self.run([self.python, "scripts/bench_whole_sequence.py", *kernels_args(model, self.shape)],
                                   self.args.out / "kernels.log", TIMEOUT_S["kernels"], {**interpreted, **env})
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
             passed = code == 0 and bool(rows)
-            tried.append(f"{env.get(ptxas.TENSOR_CORES_ENV, 'fma')}: "
+            tried.append(f"{env[ptxas.TENSOR_CORES_ENV] or 'fma'}: "
                          f"{'ok' if passed else skipped_or_failed(code, 'check', text)}")
             outcome.figures = {**(rows[0] if rows else {}), "tried": tried}
             outcome.status = "ok" if passed else skipped_or_failed(code, "whole-sequence kernels", text)
             if passed:
-                self.products_env = env
+                self.products_env, self.next_try = env, index
                 break
-            if env and not self.sanitized:  # the first failed tensor-core mode, once more under memcheck
+            if env[ptxas.TENSOR_CORES_ENV] and not self.sanitized:  # the first failed tensor-core form, under memcheck
                 self.sanitized = True
                 sanitizer = {"sanitizer": self.sanitize(model, {**interpreted, **env})}
         else:  # none passed: the later commands run the default (FMA products)
-            self.products_env = self.candidates[-1]
+            self.products_env, self.next_try = self.candidates[-1], len(self.candidates) - 1
         outcome.figures.update(sanitizer)
         return outcome
 
@@ -369,7 +371,7 @@ def table(outcomes: list[Outcome]) -> str:
                       f"{f.get('autocast_relative_error', float('nan')):.1e}); tried {f.get('tried')}; "
                       f"layer {f['whole_sequence_ms']:.1f} ms vs chunk loop "
                       f"{f['chunk_loop_ms']:.1f} ms ({f['speedup']:.2f}x)") if "max_relative_error" in f \
-                else f"tried {f.get('tried')}; {f.get('sanitizer', '')}"
+                else f"tried {f['tried']}; {f.get('sanitizer', '')}" if "tried" in f else ""
             lines.append(f"| kernels {f.get('rule', '')} | {o.model} | {o.status} | {fmt(f.get('tokens_per_s'))} "
                          f"| - | - | - | {detail} |")
         else:

@@ -177,11 +177,15 @@ def test_main_section_trains_resumes_and_exports_from_a_fresh_work_folder(tmp_pa
 
 def test_the_kernels_check_tries_wgmma_then_mma_then_fma_and_later_commands_keep_the_first_that_passes(
         tmp_path, monkeypatch):
-    """With FIXED_PTXAS: wgmma (Triton's knobs at it) first; it fails here, so it runs once more
-    under memcheck and mma.sync is tried, passes, and is what the commands after it (perf, a
-    second model's check) run with; without FIXED_PTXAS the tries start at mma.sync; all three
-    failing ends at the FMA units, reported."""
-    monkeypatch.setenv("FIXED_PTXAS", "/opt/fixed/ptxas")
+    """Commands before any check run the FMA units. With FIXED_PTXAS (a ptxas >= 13.3): wgmma
+    (Triton's knobs at it) is tried first; it fails here, so it runs once more under memcheck and
+    mma.sync is tried (Triton's own ptxas), passes, and is what the commands after it (perf, a
+    second model's check) run with. Without a usable FIXED_PTXAS the tries start at mma.sync; all
+    failing ends at the FMA units, the opt-in set empty."""
+    fixed = tmp_path / "ptxas"
+    fixed.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.5, V13.5.37'\n")
+    fixed.chmod(0o755)
+    monkeypatch.setenv("FIXED_PTXAS", str(fixed))
     s = session(tmp_path, perf_modes=["compiled"])
     envs = []
     row = '{"rule": "newton_schulz", "max_relative_error": 2e-06, "equal": true, "whole_sequence_ms": 10.0, ' \
@@ -195,23 +199,26 @@ def test_the_kernels_check_tries_wgmma_then_mma_then_fma_and_later_commands_keep
     monkeypatch.setattr(s, "run", run)
     sanitized = []
     monkeypatch.setattr(s, "sanitize", lambda model, env: sanitized.append(env) or "memcheck exit 1: Invalid __shared__ read")
-    knobs = {name: "/opt/fixed/ptxas" for name in ptxas.ENVS}
-    wgmma, mma = {**knobs, ptxas.TENSOR_CORES_ENV: "wgmma"}, {**knobs, ptxas.TENSOR_CORES_ENV: "mma"}
+    wgmma = {**{name: str(fixed) for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "wgmma"}
+    mma, fma = {ptxas.TENSOR_CORES_ENV: "mma"}, {ptxas.TENSOR_CORES_ENV: ""}
     s.perf_section("mela")
     outcome = s.kernels_section("mela")
     s.perf_section("mela")
     s.kernels_section("titans_mac")
-    assert envs == [wgmma, wgmma, mma, mma, mma] and sanitized == [wgmma]
-    assert outcome.status == "ok" and outcome.figures["tried"] == ["wgmma: failed: check exit 1: illegal memory access", "mma: ok"]
+    assert envs == [fma, wgmma, mma, mma, mma] and sanitized == [wgmma]
+    assert outcome.status == "ok" and outcome.figures["tried"] == ["wgmma: failed: check exit 1: illegal memory access",
+                                                                   "mma: ok"]
     assert outcome.figures["sanitizer"].startswith("memcheck exit 1") and "mma: ok" in gpu_session.table([outcome])
-    monkeypatch.delenv("FIXED_PTXAS")
+    monkeypatch.setenv("FIXED_PTXAS", str(tmp_path / "missing"))  # not a usable ptxas: no wgmma try
     (tmp_path / "plain").mkdir()
     plain = session(tmp_path / "plain")
     monkeypatch.setattr(plain, "run", lambda command, log, timeout, env=None: envs.append(dict(env or {})) or (1, "NOT equal\n"))
     monkeypatch.setattr(plain, "sanitize", lambda model, env: "memcheck exit 0: ")
     failed = plain.kernels_section("mela")
-    assert envs[-2:] == [{ptxas.TENSOR_CORES_ENV: "mma"}, {}] and plain.products_env == {}
+    assert envs[-2:] == [mma, fma] and plain.products_env == fma
     assert failed.status.startswith("failed") and failed.figures["tried"][-1].startswith("fma: failed")
+    skipped = plain.kernels_section("transformer")
+    assert "| kernels  | transformer | skipped: no neural memory |" in gpu_session.table([skipped])
 
 
 def test_sanitize_runs_the_small_check_under_memcheck_and_keeps_its_first_errors(tmp_path, monkeypatch):

@@ -139,6 +139,7 @@ def test_the_hypotheses_name_rows_of_the_suite_and_state_their_numbers():
         assert h.expected_width > 0 and h.tolerance >= 0, h.key
         assert (h.sense in ("at_least", "fewer")) == (h.threshold is not None), h.key
         assert (h.sense == "fewer") == (h.metric == "flops_to_level"), h.key
+        assert h.metric != "flops_to_level" or h.threshold in mqar_verdicts.LEVELS, h.key  # the runs' reach levels
         assert h.sense != "fewer" or h.control is not None, h.key
         assert h.sense == "at_least" or h.smallest_effect > h.tolerance, h.key
     assert len({h.key for h in mqar_suite.HYPOTHESES}) == len(mqar_suite.HYPOTHESES)
@@ -169,6 +170,10 @@ def test_sample_efficiency_is_the_median_log2_flops_ratio_over_seeds_either_row_
     mixed = mqar_verdicts.efficiency_verdict(FEWER, _reaching({"0": 1.0, "1": 1.0, "2": None}),
                                              _reaching({"0": None, "1": 4.0, "2": 1.0}))
     assert mixed["verdict"] == "inconclusive" and mixed["paired_seeds"] == 3 and mixed["estimate"] == 2.0
+    only_model = mqar_verdicts.efficiency_verdict(FEWER, _reaching({"0": 1.0, "1": 1.0}), _reaching({"0": None, "1": None}))
+    assert only_model["verdict"] == "supported" and only_model["ci95"] == [float("inf")] * 2 and only_model["ci_width"] == 0
+    even = mqar_verdicts.efficiency_verdict(FEWER, _reaching({"0": 1.0, "1": 1.0}), _reaching({"0": None, "1": 1.0}))
+    assert even["estimate"] == 0.0  # gains (0, inf): the lower middle one
     none = mqar_verdicts.efficiency_verdict(FEWER, _reaching({"0": None}), _reaching({"0": None}))
     assert none["verdict"] == "neither reaches 0.8" and none["ci95"] is None
 

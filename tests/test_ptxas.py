@@ -115,7 +115,10 @@ def test_use_fixed_ptxas_points_triton_at_an_installed_fixed_one(clean_env, tmp_
     too_new = fake_ptxas(tmp_path / "cuda14", "14.1")  # newer than the driver: its binaries would not load
     fixed = fake_ptxas(tmp_path / "cuda13", "13.5")
     point_triton_at(clean_env, old)
-    clean_env.setattr(ptxas, "_driver_major", lambda: 13)
+    clean_env.setattr(ptxas, "driver_major", lambda: 13)
+    clean_env.setattr(ptxas, "fixed_ptxas_candidates", lambda: [old, fixed])
+    assert ptxas.use_fixed_ptxas(90) is None and knobs_at(old)  # no wgmma opt-in: every kernel keeps its ptxas
+    clean_env.setenv(ptxas.TENSOR_CORES_ENV, "wgmma")
     clean_env.setattr(ptxas, "fixed_ptxas_candidates", lambda: [old, too_new])
     assert ptxas.use_fixed_ptxas(90) is None and knobs_at(old)
     clean_env.setattr(ptxas, "fixed_ptxas_candidates", lambda: [old, too_new, fixed])
@@ -141,9 +144,12 @@ SASS = """
     ("FADD R53, RZ, -R20 ;", 1),  # the first HGMMA's A operand (R52-R55) before the wait
     ("LDS.128 R76, [R2] ;", 1),  # the second's (R76-R79), through a 4-register load
     ("STS [R52], R3 ;", 0),  # a store reads R52, writes no register
+    ("FADD R49, RZ, -R20 ;", 2),  # the accumulator both in-flight HGMMAs chain (R48-R51): one per HGMMA
+    ("LDSM.16.M88.4 R50, [R2] ;", 3),  # 4 registers, R50-R53: that accumulator (x2) and the first A operand
+    ("ATOM.E.ADD.STRONG.GPU PT, R53, desc[UR4][R2.64], R3 ;", 0),  # PT first: its register is the second operand
 ])
 def test_the_sass_scan_finds_writes_to_the_registers_of_an_in_flight_hgmma(write, hazards):
     """The write after the wait (FADD R52 at 0x28e0) is never one; only writes between the
-    HGMMA and its WARPGROUP.DEPBAR count."""
+    HGMMA and its WARPGROUP.DEPBAR count, once per in-flight HGMMA whose registers they hit."""
     count, found = ptxas.wgmma_hazards(SASS.replace("{WRITE}", write))
     assert count == 2 and len(found) == hazards, found

@@ -226,8 +226,9 @@ class Hypothesis:
     (the model row's, sense "at_least" a threshold), "accuracy_difference" (model - control,
     paired, sense "better"; tolerance, threshold, smallest_effect in accuracy units) or
     "flops_to_level" (sample efficiency, answered once per hypothesis on the validation curve:
-    log2 of the control's training FLOPs to validation accuracy `threshold` over the model's,
-    per seed both rows ran, sense "fewer"; tolerance and smallest_effect in log2 units;
+    log2 of the control's training FLOPs to validation accuracy `threshold` (one of
+    mqar_verdicts.LEVELS) over the model's, median over the seeds both rows ran (the lower middle
+    one for an even count), sense "fewer"; tolerance and smallest_effect in log2 units;
     mqar_verdicts.efficiency_verdict);
     expected_width: the 95% interval's width expected from the design; lengths: "trained"
     (the training length), "past" (longer ones) or "all"; control_inside: the share of the

@@ -26,7 +26,8 @@ Sample efficiency (`efficiency_verdict`, metric "flops_to_level"): per seed both
 same training batches: seeded alike), the gain g = log2(control's training FLOPs to the level /
 the model's), +inf where only the model reached the level before its stop, -inf where only the
 control did; a seed where neither did carries no information on the level and is left out.
-The estimate is the median gain over those seeds, its interval a bootstrap over them; the
+The estimate is the median gain over those seeds (the lower middle one for an even count: the
+smaller gain, so the rule leans against the model), its interval a bootstrap over them; the
 "better" rule then reads it in log2 units (supported when low > tolerance, not supported when
 high < smallest effect). "Never reached" means before the run's own stop (plateau or cap), not
 "never": an infinite gain is a censored one. No seed where either row reached it: "neither
@@ -39,7 +40,7 @@ import math
 
 import torch
 
-from torchtitan_ext.eval.stats import seed_item_bootstrap, summarize_seeds
+from torchtitan_ext.eval.stats import _percentiles, seed_item_bootstrap, summarize_seeds
 
 RESAMPLES = 2000
 LEVELS = (0.5, 0.8, 0.99)
@@ -185,13 +186,16 @@ def level_gains(model: dict, control: dict, level: float) -> list[float]:
     return gains
 
 
+def lower_median(values: torch.Tensor) -> torch.Tensor:
+    """The median along the last dimension, the lower middle value for an even count (infinities allowed)."""
+    return values.sort(-1).values[..., (values.shape[-1] - 1) // 2]
+
+
 def median_interval(values: list[float], resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of the median (the lower middle value) of `values` (infinities allowed)."""
+    """95% bootstrap interval of `lower_median` of `values` (resampled with replacement)."""
     data = torch.tensor(values, dtype=torch.float64)
     picks = torch.randint(0, len(data), (resamples, len(data)), generator=torch.Generator().manual_seed(seed))
-    draws = data[picks].sort(1).values[:, (len(data) - 1) // 2]
-    ordered = draws.sort().values
-    return ordered[int(0.025 * resamples)].item(), ordered[int(0.975 * resamples) - 1].item()
+    return _percentiles(lower_median(data[picks]))
 
 
 def efficiency_verdict(h: dict, model: dict, control: dict) -> dict:
@@ -202,8 +206,8 @@ def efficiency_verdict(h: dict, model: dict, control: dict) -> dict:
     if not gains:
         return {"hypothesis": h["key"], "task": task, "estimate": None, "ci95": None, "verdict": f"neither reaches {level:g}",
                 "paired_seeds": 0}
-    estimate = sorted(gains)[(len(gains) - 1) // 2]
-    interval = median_interval(gains)
-    return {"hypothesis": h["key"], "task": task, "estimate": estimate, "ci95": list(interval),
-            "ci_width": interval[1] - interval[0], "verdict": verdict({**h, "sense": "better"}, interval),
+    estimate = lower_median(torch.tensor(gains, dtype=torch.float64)).item()
+    low, high = median_interval(gains)
+    return {"hypothesis": h["key"], "task": task, "estimate": estimate, "ci95": [low, high],
+            "ci_width": 0.0 if low == high else high - low, "verdict": verdict({**h, "sense": "better"}, (low, high)),
             "paired_seeds": len(gains)}
