@@ -1,7 +1,8 @@
 """The one prepared script of a GPU lease (run through scripts/gpu_session.sh; <= 9 minutes on one H100).
 
     bash scripts/gpu_session.sh [--only main,kernels,perf] [--models transformer,mela,titans_mac] [--steps 6]
-        [--perf-modes compiled,compiled_graphs,...] [--budget-s 510] [--out DIR] [--dry-run] [--debug]
+        [--perf-modes compiled,compiled_graphs,...] [--products wgmma|mma|fma] [--budget-s 510] [--out DIR]
+        [--dry-run] [--debug]
 
 Sections (`--only` picks some, so that a rerun fits what is left of a lease):
   main  the main job, end to end through scripts/train.sh (torchtitan's Trainer: FSDP2 on one
@@ -92,7 +93,7 @@ class Shape:
 LEASE, DEBUG = Shape("400m", 4096, "cuda"), Shape("debug", 256, "cpu")
 # seconds per command, before the budget's cut; kernels: four Triton compiles (fp32 and bf16, forward and
 # backward: up to 268 s for the Newton-Schulz backward on a loaded 2-core CPU)
-TIMEOUT_S = {"train": 240, "resume": 150, "hf": 120, "perf": 150, "kernels": 300, "sanitizer": 150}
+TIMEOUT_S = {"train": 240, "resume": 150, "hf": 120, "perf": 150, "kernels": 300, "sanitizer": 90}
 # the kernels check again under compute-sanitizer's memcheck, small (memcheck slows a kernel 10-100x)
 SANITIZED = ["--seq-len", "256", "--batch", "1", "--heads", "2", "--steps", "1"]
 TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
@@ -225,6 +226,14 @@ class Session:
         wgmma = [{**{name: fixed for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "wgmma"}] if usable else []
         self.candidates = [*wgmma, {ptxas.TENSOR_CORES_ENV: "mma"}, {ptxas.TENSOR_CORES_ENV: ""}]
         self.products_env, self.next_try, self.sanitized = self.candidates[-1], 0, False
+        chosen = getattr(args, "products", None)  # a form an earlier run's kernels check passed: from the start
+        if chosen:
+            modes = [env[ptxas.TENSOR_CORES_ENV] or "fma" for env in self.candidates]
+            if chosen not in modes:
+                raise SystemExit(f"gpu_session: --products {chosen} is not available here (choose from "
+                                 f"{', '.join(modes)}; wgmma needs FIXED_PTXAS, a ptxas >= 13.3 the driver takes)")
+            self.next_try = modes.index(chosen)
+            self.products_env = self.candidates[self.next_try]
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -444,6 +453,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu_session"), help="checkpoints and exports")
     p.add_argument("--dry-run", action="store_true", help="print every command, check each parses, run none")
     p.add_argument("--debug", action="store_true", help="debug configs at seq 256 on the CPU")
+    p.add_argument("--products", choices=("wgmma", "mma", "fma"), help="the whole-sequence kernels' bf16 products "
+                   "for every command from the start: a form an earlier run's kernels check passed (default: the FMA "
+                   "units until this run's check passes a tensor-core form)")
     args = p.parse_args(argv)
     args.only = args.only.split(",")
     args.models = args.models.split(",")

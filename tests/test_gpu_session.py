@@ -221,6 +221,17 @@ def test_the_kernels_check_tries_wgmma_then_mma_then_fma_and_later_commands_keep
     assert "| kernels  | transformer | skipped: no neural memory |" in gpu_session.table([skipped])
 
 
+def test_products_starts_every_command_at_a_form_an_earlier_check_passed(tmp_path, monkeypatch):
+    """A second invocation (say --only perf after --only kernels) starts at the form named; one
+    this machine cannot run (wgmma without FIXED_PTXAS) is one line naming the choices."""
+    monkeypatch.delenv("FIXED_PTXAS", raising=False)
+    s = session(tmp_path, products="mma")
+    assert s.products_env == {ptxas.TENSOR_CORES_ENV: "mma"} and s.candidates[s.next_try] == s.products_env
+    (tmp_path / "other").mkdir()
+    with pytest.raises(SystemExit, match="--products wgmma is not available here .choose from mma, fma; wgmma needs"):
+        session(tmp_path / "other", products="wgmma")
+
+
 def test_sanitize_runs_the_small_check_under_memcheck_and_keeps_its_first_errors(tmp_path, monkeypatch):
     s = session(tmp_path)
     tool = tmp_path / "compute-sanitizer"
