@@ -2,8 +2,8 @@
 their bf16 products on the tensor cores with it (an opt-in, `TENSOR_CORES_ENV`).
 
 CUDA's ptxas before 13.3 can reuse a register that an asynchronous Hopper `wgmma` is still
-reading when the instruction takes its A operand from registers: the product comes out wrong,
-or a later shared-memory access falls out of bounds. NVIDIA lists the fix in CUDA 13.3's release
+reading when the instruction takes its A operand from registers: the product comes out wrong.
+NVIDIA lists the fix in CUDA 13.3's release
 notes, and Triton's main branch assembles Hopper kernels with its bundled CUDA 13 ptxas since
 (triton-lang/triton pull request 11781). Triton 3.6, the GPU image's, assembles sm_90 with its
 bundled ptxas 12.8.93. The whole-sequence kernels (kernels/whole_sequence_triton.py) take their
@@ -51,6 +51,8 @@ def tensor_core_mode() -> str | None:
         raise ValueError(f"{TENSOR_CORES_ENV}={mode!r}: choose one of {', '.join(TENSOR_CORE_MODES)} (or leave it unset "
                          "for FMA products)")
     return mode
+
+
 # Triton's knobs for its two ptxas: sm_90 reads the first up to Triton 3.6, the second (named
 # for Blackwell) in Triton 3.9; `use_fixed_ptxas` sets both.
 ENVS = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
