@@ -52,11 +52,13 @@ def titans_mac_cpu() -> Trainer.Config:
     return _titans_cpu("mac", 5)
 
 
-def _mac_inputs(config: Trainer.Config, name: str, **fields) -> Trainer.Config:
-    """`config` (a Titans MAC config at the debug width) with MAC's memory writing and reading the
-    segment's normed inputs instead of the attention outputs (`TitansConfig.mac_write`, the MQAR
-    suite's H9 ablation): the same parameters and recipe."""
-    config.model_spec = titans_spec("debug", variant="mac", mac_write="inputs", **fields)
+def _mac_inputs(config: Trainer.Config, name: str) -> Trainer.Config:
+    """`config` (a Titans MAC config) with MAC's memory writing and reading the segment's normed
+    inputs instead of the attention outputs (`TitansConfig.mac_write`, the MQAR suite's H9
+    ablation): its model otherwise as it was, the same parameters and recipe."""
+    spec = config.model_spec
+    model = dataclasses.replace(spec.model, model=dataclasses.replace(spec.model.model, mac_write="inputs"))
+    config.model_spec = dataclasses.replace(spec, model=model)
     config.dump_folder = f"./outputs/{name}"
     return config
 
@@ -69,7 +71,7 @@ def titans_mac_inputs_debug() -> Trainer.Config:
 def titans_mac_inputs_cpu() -> Trainer.Config:
     """titans_mac_cpu writing its segment's inputs (the cpu suite's row; issue 48: does the
     recall winner pay for it in perplexity?)."""
-    return _mac_inputs(titans_mac_cpu(), "titans_mac_inputs_cpu", n_layers=5)
+    return _mac_inputs(titans_mac_cpu(), "titans_mac_inputs_cpu")
 
 
 def titans_mag_cpu() -> Trainer.Config:
