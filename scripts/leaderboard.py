@@ -40,6 +40,7 @@ from pathlib import Path
 
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval import leaderboard, leaderboard_cells, leaderboard_launch, leaderboard_suites
+from torchtitan_ext.paths import write_json
 
 
 def check_out(out: Path, suite: str) -> None:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError("--out DIR is needed to run a suite")
         out = args.out.resolve()  # torchtitan takes absolute checkpoint paths (the grafts' initial load)
         check_out(out, chosen.name)
-        leaderboard_cells.write_json(out / "suite.json", {"suite": chosen.name})
+        write_json(out / "suite.json", {"suite": chosen.name})
         counts = leaderboard_cells.run_cells(rows, chosen, out)
         leaderboard.report(out, chosen)
     except UserError as e:
@@ -120,7 +121,7 @@ def run_mqar(args) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    leaderboard_cells.write_json(out / "suite.json", {"suite": "mqar"})
+    write_json(out / "suite.json", {"suite": "mqar"})
     mqar_suite.run_suite(setting, out, rows, log=lambda line: print(line, flush=True))
     print(f"wrote {args.out / 'mqar.md'} and {args.out / 'mqar.json'}")
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import pathlib
 
 import pytest
 import torch
@@ -264,6 +266,32 @@ def test_a_run_made_under_another_plateau_window_is_trained_again_not_reused(tmp
     assert calls == [(2, 0, 1e-3), (3, 0, 1e-3)]
     assert mqar_suite.runs_done("transformer_full", longer, tmp_path) == (1, 3)
     assert mqar_suite.runs_done("transformer_full", QUICK, tmp_path) == (0, 3)  # the window-2 run was replaced
+
+
+def test_a_run_killed_while_its_file_is_written_leaves_the_earlier_file(tmp_path, monkeypatch):
+    """Run files are renamed into place (`paths.write_json`): a write that fails half way (here the
+    disk filling up after the first bytes) leaves the earlier run of that name whole and readable."""
+    def fake_run(name, s, seed, lr, build=None):
+        return torch.nn.Linear(1, 1), {"seed": seed, "lr": lr, "plateau_window": s.plateau_window, "stop_step": 1, "val_accuracy": 0.0,
+                                       "stop": "cap", "train_seconds": 0.0}
+
+    monkeypatch.setattr(mqar_suite, "train_run", fake_run)
+    monkeypatch.setattr(mqar_suite, "test_items", lambda model, s, seed: {})
+    mqar_suite.trained("transformer_full", QUICK, 0, 1e-3, tmp_path, log=lambda line: None)
+    path = tmp_path / "lr0.001_seed0.json"
+    earlier = path.read_text()
+    real_write = pathlib.Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        real_write(self, text[:10], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        mqar_suite.trained("transformer_full", dataclasses.replace(QUICK, plateau_window=3), 0, 1e-3, tmp_path,
+                           log=lambda line: None)
+    assert path.read_text() == earlier and json.loads(earlier)["record"]["plateau_window"] == 2
+    assert mqar_suite.runs_done("transformer_full", QUICK, tmp_path)[0] == 1
 
 
 def test_batches_of_rows_add_up_and_a_row_not_run_is_listed_not_dropped(tmp_path):

@@ -1,5 +1,6 @@
 """Where the project keeps generated files (tokenizers, caches; override with MNLM_CACHE), and
-how outputs are written (a staged folder moved into place at the end)."""
+how outputs are written (a staged folder moved into place at the end, a JSON file renamed over
+the old one)."""
 
 import contextlib
 import json
@@ -20,6 +21,16 @@ def default_tokenizer_dir() -> Path:
     """The sentencepiece model trained on the embedded corpus (scripts/build_tokenizer.py);
     lossless (identity normalisation), hence the folder name."""
     return cache_dir() / "tokenizer" / "embedded-sp4096-lossless"
+
+
+def write_json(path: Path, data, indent: int | None = 1) -> None:
+    """Write `data` to `path` atomically: a temporary `.partial` sibling renamed over it, so a run
+    killed mid-write leaves the old file (or none), never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data, indent=indent))
+    partial.replace(path)
 
 
 @contextlib.contextmanager

@@ -38,16 +38,9 @@ import torch
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.leaderboard_launch import explicit_preflight
 from torchtitan_ext.eval.leaderboard_suites import BABILONG_TASKS, RECALL_TASKS, Row, Suite
+from torchtitan_ext.paths import write_json
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write `data` to `path` atomically (a temporary file renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(data, indent=1))
-    partial.replace(path)
 
 
 def train_env() -> dict:

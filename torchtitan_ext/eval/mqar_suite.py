@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 from torchtitan_ext.eval import mqar, mqar_report
 from torchtitan_ext.eval.mqar_verdicts import RESAMPLES, floor_tasks, reach, summaries, task_key, verdicts
+from torchtitan_ext.paths import write_json
 
 DATE = "2026-11-28"
 FLOOR = 0.05  # pooled accuracy at or below this is "at floor" (chance: 2 / vocab)
@@ -424,16 +425,16 @@ def trained(name: str, s: Setting, seed: int, lr: float, folder: Path, log=print
     """One run's record (`train_run`) with its test items ("tasks"), read from
     folder/lr<lr>_seed<seed>.json when that file holds a run of this setting (its seed lists and lr
     grid aside, so adding seeds reuses the runs done), else trained and written there as it
-    ends, replacing it. Every other field is the key: a run made under another plateau window,
-    cap or shape is trained again, never reused."""
+    ends, replacing it atomically (`paths.write_json`: a run killed while writing leaves no half
+    file). Every other field is the key: a run made under another plateau window, cap or shape is
+    trained again, never reused."""
     path = folder / f"lr{lr:g}_seed{seed}.json"
     setting = run_key(s)
     if path.is_file() and json.loads(path.read_text())["setting"] == setting:
         return json.loads(path.read_text())["record"]
     model, record = train_run(name, s, seed, lr)
     record["tasks"] = test_items(model, s, seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"setting": setting, "record": record}))
+    write_json(path, {"setting": setting, "record": record}, indent=None)
     log(f"{name} seed {seed} lr {lr:g}: validation {record['val_accuracy']:.3f}, stopped at step {record['stop_step']} "
         f"({record['stop']}; {record['train_seconds']:.0f} s)")
     return record
@@ -502,7 +503,7 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) ->
             log(f"{name}: reused {path}")
             continue
         results["rows"][name] = run_row(name, s, out / "runs" / name, log)
-        path.write_text(json.dumps({"setting": results["setting"], "row": results["rows"][name]}))
+        write_json(path, {"setting": results["setting"], "row": results["rows"][name]}, indent=None)
     for name in ROWS:  # rows finished here by earlier batches
         path = out / "rows" / f"{name}.json"
         if name not in results["rows"] and path.is_file() and json.loads(path.read_text()).get("setting") == results["setting"]:
@@ -516,7 +517,7 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) ->
     results["summary"] = table
     results["floor_tasks"] = floor_tasks(results, table)
     results["verdicts"] = verdicts(results)
-    (out / "mqar.json").write_text(json.dumps(results, indent=None))
+    write_json(out / "mqar.json", results, indent=None)
     (out / "mqar.md").write_text(mqar_report.markdown(results))
     try:
         mqar_report.plot(results, out / "mqar_accuracy.png")
