@@ -4,7 +4,7 @@ the same way, one table (torchtitan_ext/eval/leaderboard*.py).
     python scripts/leaderboard.py --suite ci --out DIR [--rows mela,titans_mac]
     python scripts/leaderboard.py --suite cpu --out DIR --estimate     # cells and tokens, no run
     python scripts/leaderboard.py --suite paper --dry-run [--hf-assets-path FOLDER]
-    python scripts/leaderboard.py --suite mqar --out DIR [--setting NAME | --quick] [--seeds N] [--steps N] [--rows a,b]
+    python scripts/leaderboard.py --suite mqar --out DIR [--setting NAME | --quick] [--seeds N] [--steps N] [--rows a,b] [--jobs N]
 
 `--suite mqar` (torchtitan_ext/eval/mqar_suite.py): every from-scratch family at one width and
 depth on Zoology's MQAR, per task (key-value count x length) with intervals over seeds, a cost
@@ -17,7 +17,8 @@ second shape: length 128, 8 pairs), full (the published 2026-11-26 run: 900 step
 override the setting's (the first seed sweeps the learning rates; rows the setting gives more
 seeds, Setting.row_seeds, keep them; with a plateau, `--steps` is the base the cap multiplies).
 `--rows` trains those rows; the report holds every row finished in DIR under the same setting
-and lists the others as not run (batches of rows add up).
+and lists the others as not run (batches of rows add up). `--jobs N` trains N runs at once, each in
+a one-thread process (a many-core machine; each run trains as it would alone).
 
 Writes DIR/leaderboard.md, DIR/leaderboard.json, DIR/ppl_vs_length.png,
 DIR/recall_vs_length.png; each cell's figures in DIR/cells/<row>/seed<k>.json (a rerun skips
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setting", default="plateau32", help="mqar: plateau32, plateau128, full or quick")
     parser.add_argument("--seeds", type=int, help="mqar: number of training seeds")
     parser.add_argument("--steps", type=int, help="mqar: training steps per run")
+    parser.add_argument("--jobs", type=int, default=1, help="mqar: runs trained at once, each in a one-thread "
+                        "process (default 1: one after another in this process)")
     args = parser.parse_args(argv)
     if args.suite == "mqar":
         return run_mqar(args)
@@ -112,6 +115,8 @@ def run_mqar(args) -> None:
             if args.steps < 1:
                 raise UserError("--steps must be at least 1")
             setting = dataclasses.replace(setting, steps=args.steps)
+        if args.jobs < 1:
+            raise UserError(f"--jobs must be at least 1 (got {args.jobs})")
         rows = tuple(args.rows.split(",")) if args.rows else mqar_suite.ROWS
         unknown = [r for r in rows if r not in mqar_suite.ROWS]
         if unknown:
@@ -122,8 +127,13 @@ def run_mqar(args) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     write_json(out / "suite.json", {"suite": "mqar"})
-    mqar_suite.run_suite(setting, out, rows, log=lambda line: print(line, flush=True))
+    mqar_suite.run_suite(setting, out, rows, log=print_flushed, jobs=args.jobs)
     print(f"wrote {args.out / 'mqar.md'} and {args.out / 'mqar.json'}")
+
+
+def print_flushed(line: str) -> None:
+    """The mqar suite's log (a module-level function: worker processes of `--jobs` take it by name)."""
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -294,6 +294,33 @@ def test_a_run_killed_while_its_file_is_written_leaves_the_earlier_file(tmp_path
     assert mqar_suite.runs_done("transformer_full", QUICK, tmp_path)[0] == 1
 
 
+def test_runs_trained_in_parallel_workers_equal_the_runs_trained_one_after_another(tmp_path):
+    """--jobs 2: every run of the rows (the sweep, then the other seeds at the chosen rate) trains in
+    one-thread worker processes, and each run file equals the one a one-thread serial suite writes."""
+    rows = ("transformer_full", "mlp_lm")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        serial = mqar_suite.run_suite(QUICK, tmp_path / "serial", rows=rows, log=lambda line: None)
+    finally:
+        torch.set_num_threads(threads)
+    mqar_suite.train_runs_in_parallel(QUICK, tmp_path / "parallel", rows, 2, print)
+    for name in rows:  # every run the rows need is on disk before the suite's serial pass
+        done, needed = mqar_suite.runs_done(name, QUICK, tmp_path / "parallel" / "runs" / name)
+        assert done == needed > 1, name
+    parallel = mqar_suite.run_suite(QUICK, tmp_path / "parallel", rows=rows, log=print, jobs=2)
+    for name in rows:
+        files = sorted(p.name for p in (tmp_path / "serial" / "runs" / name).glob("*.json"))
+        assert len(files) == mqar_suite.runs_done(name, QUICK, tmp_path / "serial" / "runs" / name)[1], name
+        assert files == sorted(p.name for p in (tmp_path / "parallel" / "runs" / name).glob("*.json")), name
+        for file in files:
+            one, two = (json.loads((tmp_path / kind / "runs" / name / file).read_text())["record"]
+                        for kind in ("serial", "parallel"))
+            assert {k: v for k, v in one.items() if "seconds" not in k and "per_s" not in k} == \
+                {k: v for k, v in two.items() if "seconds" not in k and "per_s" not in k}, (name, file)
+    assert parallel["summary"] == serial["summary"] and parallel["verdicts"] == serial["verdicts"]
+
+
 def test_batches_of_rows_add_up_and_a_row_not_run_is_listed_not_dropped(tmp_path):
     """Two batches into one folder: the second report holds the first batch's row too; every other
     row of the suite is in "not_run" and in each table of mqar.md as "not run"."""

@@ -454,6 +454,37 @@ def runs_done(name: str, s: Setting, folder: Path) -> tuple[int, int]:
     return done, len(s.lrs) + len(s.seeds_of(name)) - 1
 
 
+def chosen_run(sweep: list[dict]) -> dict:
+    """The sweep's run at the best rate: the highest validation accuracy, the first of the grid on a tie."""
+    return max(sweep, key=lambda r: r["val_accuracy"])
+
+
+def _one_thread_worker() -> None:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+
+
+def train_runs_in_parallel(s: Setting, out: Path, rows: tuple[str, ...], jobs: int, log=print) -> None:
+    """Every run the rows need (`trained`, into out/runs/<row>/), `jobs` at a time, each in a worker
+    process of one thread: first each row's sweep (its first seed at every rate), then, as a row's
+    sweep ends, its other seeds at the rate the sweep chose (`chosen_run`). Runs already done are
+    reused, as in `run_row`, which then finds every run it needs on disk. A run trains as it would
+    alone in one thread (its seeds and generators are its own)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # no forked torch threads
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread_worker) as pool:
+        sweeps = {name: [pool.submit(trained, name, s, s.seeds_of(name)[0], lr, out / "runs" / name, log)
+                         for lr in s.lrs] for name in rows}
+        seeds = []
+        for name, futures in sweeps.items():
+            lr = chosen_run([f.result() for f in futures])["lr"]
+            seeds += [pool.submit(trained, name, s, seed, lr, out / "runs" / name, log) for seed in s.seeds_of(name)[1:]]
+        for future in seeds:
+            future.result()
+
+
 def run_row(name: str, s: Setting, folder: Path, log=print) -> dict:
     """A row's sweep, its seeds at the chosen rate (each run resumable: `trained` under
     `folder`), their test items, its cost (on the untrained model: counts and state sizes do
@@ -463,7 +494,7 @@ def run_row(name: str, s: Setting, folder: Path, log=print) -> dict:
     torch.manual_seed(first)
     row_cost = cost(name, s, build_row(name, s))
     sweep = [trained(name, s, first, lr, folder, log) for lr in s.lrs]
-    best = max(sweep, key=lambda r: r["val_accuracy"])  # first of the grid on a tie
+    best = chosen_run(sweep)
     runs = [best] + [trained(name, s, seed, best["lr"], folder, log) for seed in rest]
     for record in sweep + runs:
         record["reach"] = reach(record["curve"], s.tokens_per_step(), row_cost["train_flops_per_token"])
@@ -480,9 +511,10 @@ def run_row(name: str, s: Setting, folder: Path, log=print) -> dict:
 
 # --- the suite ---------------------------------------------------------------------------
 
-def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) -> dict:
+def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print, jobs: int = 1) -> dict:
     """The rows `rows` (a finished row's DIR/rows/<row>.json is reused, a finished run's
-    DIR/runs/<row>/*.json too), then DIR/mqar.json, DIR/mqar.md, and (with matplotlib)
+    DIR/runs/<row>/*.json too; with `jobs` > 1 their runs train first in that many one-thread
+    worker processes, `train_runs_in_parallel`), then DIR/mqar.json, DIR/mqar.md, and (with matplotlib)
     DIR/mqar_accuracy.png and DIR/mqar_flops.png. The report holds every row of ROWS finished
     under this setting in DIR, asked for or not (so batches of rows add up); each other row is
     listed in the JSON's "not_run" with the runs done and needed (`runs_done`), never dropped."""
@@ -496,6 +528,10 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print) ->
                "hypotheses": [dataclasses.asdict(h) for h in HYPOTHESES], "rows": {}}
     results = json.loads(json.dumps(results))  # as the JSON holds it (tuples as lists), so a rerun compares like with like
     start = time.perf_counter()
+    if jobs > 1:
+        finished = [n for n in rows if (out / "rows" / f"{n}.json").is_file()
+                    and json.loads((out / "rows" / f"{n}.json").read_text()).get("setting") == results["setting"]]
+        train_runs_in_parallel(s, out, tuple(n for n in rows if n not in finished), jobs, log)
     for name in rows:
         path = out / "rows" / f"{name}.json"
         if path.is_file() and json.loads(path.read_text()).get("setting") == results["setting"]:
