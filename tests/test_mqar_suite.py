@@ -272,8 +272,8 @@ def test_a_run_killed_while_its_file_is_written_leaves_the_earlier_file(tmp_path
     """Run files are renamed into place (`paths.write_json`): a write that fails half way (here the
     disk filling up after the first bytes) leaves the earlier run of that name whole and readable."""
     def fake_run(name, s, seed, lr, build=None):
-        return torch.nn.Linear(1, 1), {"seed": seed, "lr": lr, "plateau_window": s.plateau_window, "stop_step": 1, "val_accuracy": 0.0,
-                                       "stop": "cap", "train_seconds": 0.0}
+        return torch.nn.Linear(1, 1), {"seed": seed, "lr": lr, "plateau_window": s.plateau_window, "stop_step": 1,
+                                       "val_accuracy": 0.0, "stop": "cap", "train_seconds": 0.0}
 
     monkeypatch.setattr(mqar_suite, "train_run", fake_run)
     monkeypatch.setattr(mqar_suite, "test_items", lambda model, s, seed: {})

@@ -460,14 +460,15 @@ def chosen_run(sweep: list[dict]) -> dict:
 
 
 def _one_thread_worker() -> None:
+    """A `train_runs_in_parallel` worker's torch: one thread, denormals flushed as `run_suite` does."""
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
 
 
 def train_runs_in_parallel(s: Setting, out: Path, rows: tuple[str, ...], jobs: int, log=print) -> None:
     """Every run the rows need (`trained`, into out/runs/<row>/), `jobs` at a time, each in a worker
-    process of one thread: first each row's sweep (its first seed at every rate), then, as a row's
-    sweep ends, its other seeds at the rate the sweep chose (`chosen_run`). Runs already done are
+    process of one thread: first every row's sweep (its first seed at every rate), then, row by row
+    as its sweep ends, its other seeds at the rate the sweep chose (`chosen_run`). Runs already done are
     reused, as in `run_row`, which then finds every run it needs on disk. A run trains as it would
     alone in one thread (its seeds and generators are its own)."""
     import multiprocessing
@@ -511,6 +512,16 @@ def run_row(name: str, s: Setting, folder: Path, log=print) -> dict:
 
 # --- the suite ---------------------------------------------------------------------------
 
+def finished_row(out: Path, name: str, setting: dict) -> dict | None:
+    """Row `name`'s result in out/rows/<name>.json when it was made under `setting` (as the JSON
+    holds it), else None."""
+    path = out / "rows" / f"{name}.json"
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["row"] if saved.get("setting") == setting else None
+
+
 def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print, jobs: int = 1) -> dict:
     """The rows `rows` (a finished row's DIR/rows/<row>.json is reused, a finished run's
     DIR/runs/<row>/*.json too; with `jobs` > 1 their runs train first in that many one-thread
@@ -529,22 +540,21 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print, jo
     results = json.loads(json.dumps(results))  # as the JSON holds it (tuples as lists), so a rerun compares like with like
     start = time.perf_counter()
     if jobs > 1:
-        finished = [n for n in rows if (out / "rows" / f"{n}.json").is_file()
-                    and json.loads((out / "rows" / f"{n}.json").read_text()).get("setting") == results["setting"]]
-        train_runs_in_parallel(s, out, tuple(n for n in rows if n not in finished), jobs, log)
+        train_runs_in_parallel(s, out, tuple(n for n in rows if finished_row(out, n, results["setting"]) is None), jobs,
+                               log)
     for name in rows:
-        path = out / "rows" / f"{name}.json"
-        if path.is_file() and json.loads(path.read_text()).get("setting") == results["setting"]:
-            results["rows"][name] = json.loads(path.read_text())["row"]
+        path, row = out / "rows" / f"{name}.json", finished_row(out, name, results["setting"])
+        if row is not None:
+            results["rows"][name] = row
             log(f"{name}: reused {path}")
             continue
         results["rows"][name] = run_row(name, s, out / "runs" / name, log)
         write_json(path, {"setting": results["setting"], "row": results["rows"][name]}, indent=None)
     for name in ROWS:  # rows finished here by earlier batches
-        path = out / "rows" / f"{name}.json"
-        if name not in results["rows"] and path.is_file() and json.loads(path.read_text()).get("setting") == results["setting"]:
-            results["rows"][name] = json.loads(path.read_text())["row"]
-            log(f"{name}: included from {path}")
+        row = None if name in results["rows"] else finished_row(out, name, results["setting"])
+        if row is not None:
+            results["rows"][name] = row
+            log(f"{name}: included from {out / 'rows' / f'{name}.json'}")
     results["rows"] = {name: results["rows"][name] for name in ROWS if name in results["rows"]}
     results["not_run"] = {name: dict(zip(("runs_done", "runs_needed"), runs_done(name, s, out / "runs" / name)))
                           for name in ROWS if name not in results["rows"]}
