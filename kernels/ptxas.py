@@ -1,24 +1,24 @@
-"""Which ptxas assembles Triton's Hopper kernels, and whether the whole-sequence kernels may run
-their bf16 products on the tensor cores with it (an opt-in, `TENSOR_CORES_ENV`).
+"""Which ptxas assembles Triton's Hopper kernels, and where the whole-sequence kernels run their bf16
+products on the tensor cores with it (`TENSOR_CORES_ENV`, `tensor_core_mode`).
 
 CUDA's ptxas before 13.3 can reuse a register that an asynchronous Hopper `wgmma` is still
 reading when the instruction takes its A operand from registers: the product comes out wrong.
-NVIDIA lists the fix in CUDA 13.3's release
-notes, and Triton's main branch assembles Hopper kernels with its bundled CUDA 13 ptxas since
-(triton-lang/triton pull request 11781). Triton 3.6, the GPU image's, assembles sm_90 with its
-bundled ptxas 12.8.93. The whole-sequence kernels (kernels/whole_sequence_triton.py) take their
-`wgmma` A operands from registers; their bf16 tensor-core variant crashed at the Titans shape and
-gave wrong values at Mela's on an H200 with Triton 3.6 (2026-11-28), where the same kernels with
-FMA products matched the reference. Whether ptxas was the cause is not shown: their SASS from
-12.8 writes no register of an in-flight `HGMMA` before its wait (docs/benchmarks.md, "Fourth
-lease"). So the tensor cores are an opt-in until a GPU shows them equal (`tensor_core_mode`):
-through wgmma, which on sm_90 needs Triton's ptxas >= 13.3 besides (`tensor_core_products`), or
-through mma.sync; otherwise the kernels multiply bf16-rounded operands on the FMA units (the
-same values, about 15x fewer FLOP/s on an H100). `use_fixed_ptxas` points Triton at a fixed
-ptxas when one is installed: a CUDA >= 13.3 toolkit, `pip install nvidia-cuda-nvcc>=13.3` (the
-`gpu` extra), or a Triton that bundles one as `ptxas-blackwell` (Triton 3.9: 13.4).
-Other architectures are not gated: Ampere's `mma.sync` is synchronous, Blackwell's `tcgen05`
-reads no operand from registers (neither has run these kernels yet).
+NVIDIA lists the fix in CUDA 13.3's release notes, and Triton's main branch assembles Hopper
+kernels with its bundled CUDA 13 ptxas since (triton-lang/triton pull request 11781). Triton 3.6,
+the GPU image's, assembles sm_90 with its bundled ptxas 12.8.93. The whole-sequence kernels
+(kernels/whole_sequence_triton.py) take their `wgmma` A operands from registers; their bf16
+tensor-core variant crashed at the Titans shape and gave wrong values at Mela's on an H200 with
+Triton 3.6 and its ptxas 12.8 (2026-11-28, fourth lease). On the fifth lease (H200, 2026-11-28),
+the same Triton with ptxas 13.5 ran them equal to the float64 reference at both memories' 400m
+options (per-token rule and Newton-Schulz; docs/benchmarks.md, "Fifth lease"). So the default
+(`auto`) takes the tensor cores through `wgmma` on Hopper where Triton's ptxas is >= 13.3
+(`tensor_core_products`), after `use_fixed_ptxas` has pointed Triton at an installed fixed one: a
+CUDA >= 13.3 toolkit, `pip install nvidia-cuda-nvcc>=13.3` (the `gpu` extra), or a Triton that
+bundles one as `ptxas-blackwell` (Triton 3.9: 13.4). Without one it multiplies bf16-rounded
+operands on the FMA units (the same values) and warns once, naming the fix. Other architectures
+run the FMA units by default: no lease has run the tensor-core variant there; `wgmma` / `mma`
+ask for it anywhere (Ampere's `mma.sync` is synchronous, Blackwell's `tcgen05` reads no operand
+from registers), `fma` keeps the FMA units everywhere.
 """
 
 from __future__ import annotations
@@ -33,23 +33,21 @@ import warnings
 
 WGMMA_FIXED = (13, 3)  # the first ptxas without the register-operand wgmma hazard (CUDA 13.3 release notes)
 HOPPER = 90
-# Opt-in for the whole-sequence kernels' tensor-core bf16 products: the variant crashed or gave wrong
-# values on an H200 (2026-11-28), cause not confirmed (docs/benchmarks.md, "Fourth lease"), so it
-# stays off by default until a lease's kernels check passes with it (scripts/gpu_session.py).
-# "wgmma": Hopper's asynchronous wgmma, as Triton lowers tl.dot on sm_90 (needs ptxas >= 13.3 there);
-# "mma": the synchronous mma.sync (Triton's MMAv2, DISABLE_MMA_V3 set while these kernels compile),
-# which has neither wgmma fault (its register operands, its N = 8 shared-memory tiles).
+# The whole-sequence kernels' bf16 products (module docstring): "auto" (unset or empty), "wgmma"
+# on Hopper with a ptxas >= 13.3, else the FMA units; "wgmma": Hopper's asynchronous wgmma, as Triton
+# lowers tl.dot on sm_90 (needs ptxas >= 13.3 there), on any GPU; "mma": the synchronous mma.sync
+# (Triton's MMAv2, DISABLE_MMA_V3 set while these kernels compile; not yet run on a GPU); "fma":
+# bf16-rounded operands on the FMA units everywhere.
 TENSOR_CORES_ENV = "WHOLE_SEQUENCE_TENSOR_CORES"
-TENSOR_CORE_MODES = ("wgmma", "mma")
+TENSOR_CORE_MODES = ("auto", "wgmma", "mma", "fma")
 
 
-def tensor_core_mode() -> str | None:
-    """The opt-in's value (`TENSOR_CORES_ENV`): None (unset or empty: FMA products), "wgmma" or
-    "mma"; ValueError naming the choices for anything else."""
-    mode = os.environ.get(TENSOR_CORES_ENV) or None
-    if mode is not None and mode not in TENSOR_CORE_MODES:
-        raise ValueError(f"{TENSOR_CORES_ENV}={mode!r}: choose one of {', '.join(TENSOR_CORE_MODES)} (or leave it unset "
-                         "for FMA products)")
+def tensor_core_mode() -> str:
+    """`TENSOR_CORES_ENV`'s value: "auto" (unset or empty), "wgmma", "mma" or "fma"; ValueError
+    naming the choices for anything else."""
+    mode = os.environ.get(TENSOR_CORES_ENV) or "auto"
+    if mode not in TENSOR_CORE_MODES:
+        raise ValueError(f"{TENSOR_CORES_ENV}={mode!r}: choose one of {', '.join(TENSOR_CORE_MODES)} (unset: auto)")
     return mode
 
 
@@ -112,13 +110,13 @@ def arch_of(device) -> int | None:
 
 
 def use_fixed_ptxas(arch: int | None) -> str | None:
-    """With the wgmma opt-in (`tensor_core_mode`), on an sm_90 GPU whose Triton ptxas is older than
-    13.3: point Triton's knobs (`ENVS`) at the first fixed ptxas found (`fixed_ptxas_candidates`)
-    and return it; else change nothing and return None (without the opt-in every Triton kernel
-    keeps the ptxas it had). Call before any Triton kernel is compiled (a run's start); a ptxas from a newer
-    CUDA major version than the driver's is skipped (its binaries need that driver). `arch`
-    None (not a CUDA device, `arch_of`): nothing."""
-    if (tensor_core_mode() != "wgmma" or arch != HOPPER
+    """In the "auto" and "wgmma" modes (`tensor_core_mode`), on an sm_90 GPU whose Triton ptxas is
+    older than 13.3: point Triton's knobs (`ENVS`) at the first fixed ptxas found
+    (`fixed_ptxas_candidates`) and return it; else change nothing and return None (in the "mma"
+    and "fma" modes every Triton kernel keeps the ptxas it had). Call before any Triton kernel is
+    compiled (a run's start); a ptxas from a newer CUDA major version than the driver's is skipped
+    (its binaries need that driver). `arch` None (not a CUDA device, `arch_of`): nothing."""
+    if (tensor_core_mode() not in ("auto", "wgmma") or arch != HOPPER
             or tensor_core_products(arch, version_of(triton_ptxas(arch) or ""))):
         return None
     driver = driver_major()
@@ -142,8 +140,8 @@ _warned = False
 
 
 def warn_fma_fallback(arch: int) -> None:
-    """Once per process: the kernels run their bf16 products on the FMA units because the wgmma
-    opt-in met an old ptxas."""
+    """Once per process: the kernels run their bf16 products on the FMA units because the "auto" or
+    "wgmma" mode met an old ptxas on Hopper."""
     global _warned
     if not _warned:
         _warned = True
@@ -151,7 +149,7 @@ def warn_fma_fallback(arch: int) -> None:
         version = ".".join(map(str, version_of(path or "") or ("unknown",)))
         warnings.warn(f"whole-sequence memory kernels: Triton assembles sm_{arch} with ptxas {version} "
                       f"({path}), older than {WGMMA_FIXED[0]}.{WGMMA_FIXED[1]} (NVIDIA fixed a register-operand "
-                      f"wgmma fault in 13.3), so their bf16 products run on the FMA units (~15x slower); "
+                      f"wgmma fault in 13.3), so their bf16 products run on the FMA units (slower; not yet measured); "
                       f"fix: pip install 'nvidia-cuda-nvcc>=13.3' (found at the run's start: kernels/ptxas.py "
                       f"use_fixed_ptxas) or set {' and '.join(ENVS)} to a CUDA >= 13.3 ptxas",
                       stacklevel=3)

@@ -46,7 +46,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels.ptxas import arch_of, tensor_core_mode, tensor_core_products, triton_ptxas, version_of, warn_fma_fallback
+from kernels.ptxas import (HOPPER, arch_of, tensor_core_mode, tensor_core_products, triton_ptxas, version_of,
+                           warn_fma_fallback)
 from kernels.reference import MUON_COEFFICIENTS, newton_schulz_reference
 
 try:
@@ -152,10 +153,31 @@ def refusal(state, q, k, v, token_weights, gates, ns_steps: int) -> str | None:
     return None
 
 
+# Overrides of the hidden block and the warps per program, for a lease to time other choices without
+# a code change (docs/benchmarks.md, "Fifth lease": wider blocks issue wider wgmmas and spill more)
+HIDDEN_BLOCK_ENV, WARPS_ENV = "WHOLE_SEQUENCE_HIDDEN_BLOCK", "WHOLE_SEQUENCE_WARPS"
+
+
+def _override(name: str, allowed: tuple[int, ...]) -> int | None:
+    """The integer in environment variable `name` (one of `allowed`), None where unset; ValueError
+    naming the choices for anything else."""
+    text = os.environ.get(name)
+    if not text:
+        return None
+    if not text.isdigit() or int(text) not in allowed:
+        raise ValueError(f"{name}={text!r}: choose one of {', '.join(map(str, allowed))} (or leave it unset)")
+    return int(text)
+
+
 def _blocks(dim: int, chunk: int, hidden: int) -> dict:
+    """The launch's tile sizes (powers of two, >= 16) and warps: the hidden width in blocks of
+    `HIDDEN_BLOCK` columns (or `HIDDEN_BLOCK_ENV`'s), 8 warps for a chunk x head_dim tile over
+    64 x 32, else 4 (or `WARPS_ENV`'s)."""
     pad = triton.next_power_of_2 if triton else (lambda n: 1 << (n - 1).bit_length())
-    return {"BC": max(16, pad(chunk)), "BD": max(16, pad(dim)), "BH": max(16, min(HIDDEN_BLOCK, pad(hidden))),
-            "num_warps": 8 if dim * chunk > 64 * 32 else 4}
+    block = _override(HIDDEN_BLOCK_ENV, (16, 32, 64, 128)) or HIDDEN_BLOCK
+    warps = _override(WARPS_ENV, (4, 8, 16)) or (8 if dim * chunk > 64 * 32 else 4)
+    return {"BC": max(16, pad(chunk)), "BD": max(16, pad(dim)), "BH": max(16, min(block, pad(hidden))),
+            "num_warps": warps}
 
 
 def _checkpoints(q: torch.Tensor, hidden: int, chunks: int, every: int):
@@ -181,22 +203,25 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def products(bf16_products: bool, device: torch.device) -> int:
-    """The kernels' BF16 switch: FP32 without bf16 products; with them FMA_BF16 (bf16-rounded
-    operands on the FMA units: the same values as bf16 products), or TENSOR_CORES where
-    WHOLE_SEQUENCE_TENSOR_CORES asks for them on a GPU (kernels/ptxas.py): "mma" always, "wgmma"
-    where Triton's ptxas is safe for it (an unsafe one is warned once and runs FMA_BF16). Under
-    TRITON_INTERPRET=1 always FMA_BF16: the interpreter's bf16 dot is wrong (Triton 3.9: error
-    2e10 on a 16 x 16 product)."""
+    """The kernels' BF16 switch: FP32 without bf16 products; with them TENSOR_CORES or FMA_BF16
+    (bf16-rounded operands on the FMA units: the same values as bf16 products), as
+    WHOLE_SEQUENCE_TENSOR_CORES says (kernels/ptxas.py): "auto" (the default) the tensor cores on a
+    Hopper GPU whose Triton ptxas is safe for wgmma (an unsafe one is warned once and runs
+    FMA_BF16), FMA_BF16 elsewhere; "wgmma" the same gate on any GPU; "mma" always; "fma" never.
+    Under TRITON_INTERPRET=1 always FMA_BF16: the interpreter's bf16 dot is wrong (Triton 3.9:
+    error 2e10 on a 16 x 16 product)."""
     if not bf16_products:
         return FP32
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return FMA_BF16
     mode = tensor_core_mode()
-    if mode is None:
+    if mode == "fma":
         return FMA_BF16
     if mode == "mma":
         return TENSOR_CORES
     arch = arch_of(device)
+    if mode == "auto" and arch != HOPPER:
+        return FMA_BF16
     if tensor_core_products(arch, version_of(triton_ptxas(arch) or "")):
         return TENSOR_CORES
     warn_fma_fallback(arch)

@@ -42,11 +42,11 @@ buffer from the next pass that reads it (one program is one block of threads).
 The products (`_dot`) take fp32 operands on the FMA units ("ieee": fp32 exactly, for checks
 and fp32 training), or with BF16 bf16 operands, as bf16 autocast runs the chunk loop's
 fast-weight matmuls (the state, its update and every accumulation stay fp32): on the tensor
-cores (BF16 1) only on request, through wgmma with a ptxas safe for it or through mma.sync
-(kernels/ptxas.py: this variant crashed and gave wrong values on an H200 with Triton 3.6 and its
-ptxas 12.8, cause unconfirmed),
-else (BF16 2, the default, and under TRITON_INTERPRET=1, whose bf16 dot is wrong) as
-bf16-rounded operands on the FMA units, the same values. Not TF32
+cores (BF16 1) through wgmma where Triton's ptxas is safe for it, by default on Hopper, or through
+mma.sync on request (kernels/ptxas.py: the wgmma form crashed and gave wrong values on an H200
+with Triton 3.6 and its ptxas 12.8, and matched the reference there with ptxas 13.5), else
+(BF16 2, and under TRITON_INTERPRET=1, whose bf16 dot is wrong) as bf16-rounded operands on the
+FMA units, the same values. Not TF32
 (tf32x3): its split operands need more shared memory than an H100 block has. Shared memory of each kernel at
 the paper shape, compiled for sm_90 without a GPU (`scripts/compile_kernels.py`), is in
 docs/benchmarks.md; launches use num_stages=1 (the hidden-block loops are not pipelined: the

@@ -149,6 +149,7 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
         if step == 0:
             sync()
             result.first_step_s = time.perf_counter() - start
+            progress(f"first step done in {result.first_step_s:.1f} s")
     sync()
     result.tokens_per_s = steps * batch * seq_len / (time.perf_counter() - start)
     result.losses = [x.item() for x in losses]
@@ -159,6 +160,12 @@ def bench(name: str, flavor: str, *, device: torch.device, batch: int, seq_len: 
     if device.type == "cuda":
         result.peak_memory = torch.cuda.max_memory_allocated(device)
     return result
+
+
+def progress(text: str) -> None:
+    """One line on stderr as a step finishes, so that a run cut at a time limit (a lease's) shows
+    how far it got (compilation, warmup, capture)."""
+    print(f"bench_models: {text}", file=sys.stderr, flush=True)
 
 
 def capture_step(train_step, optimizer, warmup: int):
@@ -172,14 +179,17 @@ def capture_step(train_step, optimizer, warmup: int):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(max(warmup, 1)):
+        for step in range(max(warmup, 1)):
             train_step()
+            torch.cuda.synchronize()
+            progress(f"warmup step {step + 1} done {time.perf_counter() - start:.1f} s after the start")
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     optimizer.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
         loss = train_step()
     torch.cuda.synchronize()
+    progress(f"step captured {time.perf_counter() - start:.1f} s after the start")
 
     def replay() -> torch.Tensor:
         graph.replay()

@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ptxas.use_fixed_ptxas(ptxas.arch_of(device))
     assembler = ptxas.triton_ptxas(ptxas.arch_of(device) or ptxas.HOPPER) if device.type == "cuda" else None
-    units = f"tensor cores ({ptxas.tensor_core_mode()})" if products(True, device) == TENSOR_CORES else "FMA units"
+    instruction = "mma" if ptxas.tensor_core_mode() == "mma" else "wgmma"
+    units = f"tensor cores ({instruction})" if products(True, device) == TENSOR_CORES else "FMA units"
     print(f"torch {torch.__version__}; {device}; batch {a.batch}, {a.heads} heads, seq {a.seq_len}, chunk {a.chunk}, "
           f"head_dim {a.head_dim}, hidden {a.hidden}; bf16 products on the {units}"
           f"{f' (ptxas {assembler})' if assembler else ''}")

@@ -28,7 +28,8 @@ Sections (`--only` picks some, so that a rerun fits what is left of a lease):
         hidden 256, chunk 64, seq 4096 (titans_mac: the per-token rule; mela: Newton-Schulz).
         The bf16 products are tried in order (kernels/ptxas.py, WHOLE_SEQUENCE_TENSOR_CORES):
         wgmma with FIXED_PTXAS (a ptxas >= 13.3; gpu_session.sh unpacks the one gpu_wheels.sh
-        packs), then mma.sync, then the FMA units (the default); the first that passes is kept
+        packs; the form the default `auto` takes on Hopper), then mma.sync, then the FMA units
+        (`fma`, what `auto` falls back to without a fixed ptxas); the first that passes is kept
         for every later command and the table lists each try. The first failed tensor-core mode
         runs once more, small, under compute-sanitizer's memcheck where the image has it (its
         first errors in the table, the whole output in kernels_sanitizer.log).
@@ -94,6 +95,10 @@ LEASE, DEBUG = Shape("400m", 4096, "cuda"), Shape("debug", 256, "cpu")
 # seconds per command, before the budget's cut; kernels: four Triton compiles (fp32 and bf16, forward and
 # backward: up to 268 s for the Newton-Schulz backward on a loaded 2-core CPU)
 TIMEOUT_S = {"train": 240, "resume": 150, "hf": 120, "perf": 150, "kernels": 300, "sanitizer": 90}
+# Mela's compiled step compiles its HMM's L- and H-module about ten times (grad on and off, inputs that
+# do and do not require grad, fresh and carried states: `compile_hmm`): its compiled perf rows did not
+# finish warmup and capture in 150 s nor in 225 s on an H200 (2026-11-28), where MAC's took 84 s
+PERF_TIMEOUT_S = {"mela": 450}
 # the kernels check again under compute-sanitizer's memcheck, small (memcheck slows a kernel 10-100x)
 SANITIZED = ["--seq-len", "256", "--batch", "1", "--heads", "2", "--steps", "1"]
 TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
@@ -216,19 +221,19 @@ class Session:
         self.python = os.environ.get("PYTHON", sys.executable)
         self.shape = DEBUG if args.debug else LEASE
         # The whole-sequence kernels' products to try, in order (kernels/ptxas.py): wgmma with FIXED_PTXAS
-        # (gpu_session.sh: a ptxas >= 13.3), mma.sync (Triton's own ptxas), the FMA units (the default,
-        # the opt-in set empty so that an outer one cannot leak in). Every command runs the FMA units
+        # (gpu_session.sh: a ptxas >= 13.3), mma.sync (Triton's own ptxas), the FMA units (`fma`, named
+        # so that an outer setting cannot leak in). Every command runs the FMA units
         # until a kernels check passes with a tensor-core form; then the commands after it run that form
         # (`products_env`), and the next check starts from it (`next_try`).
         fixed = os.environ.get("FIXED_PTXAS")
         version, driver = ptxas.version_of(fixed) if fixed else None, ptxas.driver_major()
         usable = version is not None and version >= ptxas.WGMMA_FIXED and (driver is None or version[0] <= driver)
         wgmma = [{**{name: fixed for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "wgmma"}] if usable else []
-        self.candidates = [*wgmma, {ptxas.TENSOR_CORES_ENV: "mma"}, {ptxas.TENSOR_CORES_ENV: ""}]
+        self.candidates = [*wgmma, {ptxas.TENSOR_CORES_ENV: "mma"}, {ptxas.TENSOR_CORES_ENV: "fma"}]
         self.products_env, self.next_try, self.sanitized = self.candidates[-1], 0, False
         chosen = getattr(args, "products", None)  # a form an earlier run's kernels check passed: from the start
         if chosen:
-            modes = [env[ptxas.TENSOR_CORES_ENV] or "fma" for env in self.candidates]
+            modes = [env[ptxas.TENSOR_CORES_ENV] for env in self.candidates]
             if chosen not in modes:
                 raise SystemExit(f"gpu_session: --products {chosen} is not available here (choose from "
                                  f"{', '.join(modes)}; wgmma needs FIXED_PTXAS, a ptxas >= 13.3 the driver takes)")
@@ -305,8 +310,9 @@ class Session:
         outcome = Outcome(model, "perf")
         log = self.args.out / "perf.log"
         for mode in perf_modes(model, self.shape, self.args.perf_modes):
+            timeout = PERF_TIMEOUT_S.get(model, TIMEOUT_S["perf"]) if "compiled" in mode else TIMEOUT_S["perf"]
             code, text = self.run([self.python, "scripts/bench_models.py", *perf_args(model, self.shape, mode)], log,
-                                  TIMEOUT_S["perf"], self.products_env)
+                                  timeout, self.products_env)
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
             outcome.figures[mode] = rows[0] if rows and code == 0 else {"error": skipped_or_failed(code, mode, text)}
             if mode.endswith("_graphs") and (stepped := outcome.figures.get(mode.removesuffix("_graphs"))):
@@ -328,17 +334,17 @@ class Session:
                                   self.args.out / "kernels.log", TIMEOUT_S["kernels"], {**interpreted, **env})
             rows = [json.loads(line[len("JSON "):]) for line in text.splitlines() if line.startswith("JSON ")]
             passed = code == 0 and bool(rows)
-            tried.append(f"{env[ptxas.TENSOR_CORES_ENV] or 'fma'}: "
+            tried.append(f"{env[ptxas.TENSOR_CORES_ENV]}: "
                          f"{'ok' if passed else skipped_or_failed(code, 'check', text)}")
             outcome.figures = {**(rows[0] if rows else {}), "tried": tried}
             outcome.status = "ok" if passed else skipped_or_failed(code, "whole-sequence kernels", text)
             if passed:
                 self.products_env, self.next_try = env, index
                 break
-            if env[ptxas.TENSOR_CORES_ENV] and not self.sanitized:  # the first failed tensor-core form, under memcheck
+            if env[ptxas.TENSOR_CORES_ENV] != "fma" and not self.sanitized:  # the first failed tensor-core form, under memcheck
                 self.sanitized = True
                 sanitizer = {"sanitizer": self.sanitize(model, {**interpreted, **env})}
-        else:  # none passed: the later commands run the default (FMA products)
+        else:  # none passed: the later commands run the FMA products
             self.products_env, self.next_try = self.candidates[-1], len(self.candidates) - 1
         outcome.figures.update(sanitizer)
         return outcome

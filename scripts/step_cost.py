@@ -1,7 +1,7 @@
 """Where one training step's time goes on an H100, predicted on a CPU (torchtitan_ext/step_cost/).
 
     python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2]
-        [--mode eager|compiled|graphs] [--whole-sequence] [--tensor-core-kernels] [--tf32] [--launch-floor-us US] [--sync-us 20]
+        [--mode eager|compiled|graphs] [--whole-sequence] [--fma-kernels] [--kernel-roofline] [--tf32] [--launch-floor-us US] [--sync-us 20]
         [--baseline transformer_400m|none] [--top 12]
 
 Records one bench_models.py training step (bf16 autocast, fp32 parameters, cross-entropy, fused
@@ -31,9 +31,11 @@ def parser() -> argparse.ArgumentParser:
                    "(kernels/whole_sequence.py: one launch of batch x heads programs per layer and direction)")
     p.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (default: fp32 peak, "
                    "torch's allow_tf32=False, as bench_models.py runs)")
-    p.add_argument("--tensor-core-kernels", action="store_true", help="the whole-sequence kernels' bf16 products on "
-                   "the tensor cores, as with WHOLE_SEQUENCE_TENSOR_CORES=wgmma and a ptxas >= 13.3 (default: the FMA "
-                   "units, the default run; kernels/ptxas.py)")
+    p.add_argument("--fma-kernels", action="store_true", help="the whole-sequence kernels' bf16 products on the FMA "
+                   "units, as without a ptxas >= 13.3 on Hopper or with WHOLE_SEQUENCE_TENSOR_CORES=fma (default: the "
+                   "tensor cores; kernels/ptxas.py)")
+    p.add_argument("--kernel-roofline", action="store_true", help="the whole-sequence kernels at their share of the "
+                   "peak alone (default: at most the rate per program a lease measured, KERNEL_PROGRAM_FLOPS)")
     p.add_argument("--launch-floor-us", type=float, help="cost added per launch (default: the mode's LAUNCH_S)")
     p.add_argument("--sync-us", type=float, default=HOST_SYNC_S * 1e6, help="cost of one host sync")
     p.add_argument("--baseline", default="", help="config costed beside it (default transformer_<flavor>; none: off)")
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     floor = {} if args.launch_floor_us is None else {"launch_s": args.launch_floor_us * 1e-6}
     hardware = Hardware.for_mode(args.mode, tf32=args.tf32, sync_s=args.sync_us * 1e-6,
-                                 kernel_tensor_cores=args.tensor_core_kernels, **floor)
+                                 kernel_tensor_cores=not args.fma_kernels,
+                                 kernel_measured=not args.kernel_roofline, **floor)
     options = dict(seq_len=args.seq_len, batch=args.batch, mode=args.mode, hardware=hardware)
     try:
         prediction = predict(args.config, whole_sequence=args.whole_sequence, **options)

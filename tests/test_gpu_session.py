@@ -121,6 +121,13 @@ def test_perf_runs_the_chosen_modes_and_compares_a_replay_with_the_same_steps_un
     monkeypatch.setattr(s, "run", run)
     outcome = s.perf_section("mela")
     assert ran == [False, True] and list(outcome.figures) == ["compiled", "compiled_graphs"]
+    limits = []
+    monkeypatch.setattr(s, "run", lambda command, log, timeout, env=None: limits.append(timeout) or run(command))
+    s.perf_section("mela")
+    s.perf_section("titans_mac")
+    # Mela's compiled step compiles its HMM modules about ten times: more time than the others' rows
+    assert limits == [gpu_session.PERF_TIMEOUT_S["mela"]] * 2 + [gpu_session.TIMEOUT_S["perf"]] * 2
+    assert gpu_session.PERF_TIMEOUT_S["mela"] > gpu_session.TIMEOUT_S["perf"]
     assert outcome.figures["compiled_graphs"]["replay_drift"] == pytest.approx(0.1)
     assert "compiled_graphs" not in outcome.figures["compiled"]
     assert "max rel diff 1.0e-01" in gpu_session.table([outcome])
@@ -200,7 +207,7 @@ def test_the_kernels_check_tries_wgmma_then_mma_then_fma_and_later_commands_keep
     sanitized = []
     monkeypatch.setattr(s, "sanitize", lambda model, env: sanitized.append(env) or "memcheck exit 1: Invalid __shared__ read")
     wgmma = {**{name: str(fixed) for name in ptxas.ENVS}, ptxas.TENSOR_CORES_ENV: "wgmma"}
-    mma, fma = {ptxas.TENSOR_CORES_ENV: "mma"}, {ptxas.TENSOR_CORES_ENV: ""}
+    mma, fma = {ptxas.TENSOR_CORES_ENV: "mma"}, {ptxas.TENSOR_CORES_ENV: "fma"}
     s.perf_section("mela")
     outcome = s.kernels_section("mela")
     s.perf_section("mela")

@@ -1,5 +1,5 @@
-"""kernels/ptxas.py: the whole-sequence kernels use the tensor cores on Hopper only with a ptxas
->= 13.3, and a fixed ptxas is found where one is installed (fake ptxas executables stand in)."""
+"""kernels/ptxas.py: the whole-sequence kernels use the tensor cores on Hopper by default, only with a
+ptxas >= 13.3, and a fixed ptxas is found where one is installed (fake ptxas executables stand in)."""
 
 import os
 import stat
@@ -54,28 +54,38 @@ def test_hopper_needs_ptxas_13_3_other_architectures_do_not():
     assert ptxas.tensor_core_products(100, (12, 9))
 
 
-def test_products_follow_the_opt_in_and_the_ptxas_triton_would_use(clean_env, tmp_path):
-    """On a (pretended) Hopper GPU, tensor cores only on request (WHOLE_SEQUENCE_TENSOR_CORES:
-    the variant is not yet validated on a GPU): "mma" whatever the ptxas, "wgmma" by Triton's own
-    ptxas choice (the old one falls back to FMA products with one warning that names the fix, a
-    fixed one takes the tensor cores); fp32 products and CPU devices never depend on either; an
-    unknown mode is refused by name."""
-    clean_env.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+def test_products_follow_the_mode_and_the_ptxas_triton_would_use(clean_env, tmp_path):
+    """WHOLE_SEQUENCE_TENSOR_CORES: by default ("auto") a Hopper GPU takes the tensor cores where
+    Triton's ptxas is safe for wgmma (the old one falls back to FMA products with one warning that
+    names the fix), any other GPU the FMA units; "wgmma" the same gate on any GPU; "mma" whatever
+    the ptxas; "fma" never. fp32 products, CPU devices and the interpreter never depend on the mode;
+    an unknown mode is refused by name."""
+    arch = {"capability": (9, 0)}
+    clean_env.setattr(torch.cuda, "get_device_capability", lambda device=None: arch["capability"])
     cuda = torch.device("cuda")
     old = point_triton_at(clean_env, fake_ptxas(tmp_path / "old", "12.8"))
     assert ptxas.triton_ptxas(90) == old
-    assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16  # not asked for
+    assert ptxas.tensor_core_mode() == "auto"
+    with pytest.warns(UserWarning, match=r"ptxas 12\.8 .*FMA units.*nvidia-cuda-nvcc>=13\.3"):
+        assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16
     clean_env.setenv(ptxas.TENSOR_CORES_ENV, "mma")
     assert whole_sequence.products(True, cuda) == whole_sequence.TENSOR_CORES
     clean_env.setenv(ptxas.TENSOR_CORES_ENV, "wgmma")
-    with pytest.warns(UserWarning, match=r"ptxas 12\.8 .*FMA units.*nvidia-cuda-nvcc>=13\.3"):
-        assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16
+    assert whole_sequence.products(True, cuda) == whole_sequence.FMA_BF16  # warned once per process, above
     point_triton_at(clean_env, fake_ptxas(tmp_path / "new", "13.4"))
-    assert whole_sequence.products(True, cuda) == whole_sequence.TENSOR_CORES
+    for mode, expected in (("wgmma", whole_sequence.TENSOR_CORES), ("", whole_sequence.TENSOR_CORES),
+                           ("auto", whole_sequence.TENSOR_CORES), ("fma", whole_sequence.FMA_BF16)):
+        clean_env.setenv(ptxas.TENSOR_CORES_ENV, mode)
+        assert whole_sequence.products(True, cuda) == expected, mode
+    arch["capability"] = (8, 0)  # not Hopper: the tensor cores only on request
+    for mode, expected in (("auto", whole_sequence.FMA_BF16), ("wgmma", whole_sequence.TENSOR_CORES),
+                           ("mma", whole_sequence.TENSOR_CORES), ("fma", whole_sequence.FMA_BF16)):
+        clean_env.setenv(ptxas.TENSOR_CORES_ENV, mode)
+        assert whole_sequence.products(True, cuda) == expected, mode
     assert whole_sequence.products(False, cuda) == whole_sequence.FP32
     assert whole_sequence.products(True, torch.device("cpu")) == whole_sequence.FMA_BF16
     clean_env.setenv(ptxas.TENSOR_CORES_ENV, "tf32")
-    with pytest.raises(ValueError, match="WHOLE_SEQUENCE_TENSOR_CORES='tf32': choose one of wgmma, mma"):
+    with pytest.raises(ValueError, match="WHOLE_SEQUENCE_TENSOR_CORES='tf32': choose one of auto, wgmma, mma, fma"):
         whole_sequence.products(True, cuda)
     clean_env.setenv(ptxas.TENSOR_CORES_ENV, "wgmma")
     clean_env.setenv("TRITON_INTERPRET", "1")
@@ -117,7 +127,9 @@ def test_use_fixed_ptxas_points_triton_at_an_installed_fixed_one(clean_env, tmp_
     point_triton_at(clean_env, old)
     clean_env.setattr(ptxas, "driver_major", lambda: 13)
     clean_env.setattr(ptxas, "fixed_ptxas_candidates", lambda: [old, fixed])
-    assert ptxas.use_fixed_ptxas(90) is None and knobs_at(old)  # no wgmma opt-in: every kernel keeps its ptxas
+    for mode in ("mma", "fma"):  # no wgmma asked for: every kernel keeps its ptxas
+        clean_env.setenv(ptxas.TENSOR_CORES_ENV, mode)
+        assert ptxas.use_fixed_ptxas(90) is None and knobs_at(old)
     clean_env.setenv(ptxas.TENSOR_CORES_ENV, "wgmma")
     clean_env.setattr(ptxas, "fixed_ptxas_candidates", lambda: [old, too_new])
     assert ptxas.use_fixed_ptxas(90) is None and knobs_at(old)
@@ -126,6 +138,9 @@ def test_use_fixed_ptxas_points_triton_at_an_installed_fixed_one(clean_env, tmp_
     assert ptxas.use_fixed_ptxas(90) == fixed and knobs_at(fixed)
     assert ptxas.triton_ptxas(90) == fixed
     assert ptxas.use_fixed_ptxas(90) is None and knobs_at(fixed)  # already fixed: left alone
+    point_triton_at(clean_env, old)
+    clean_env.delenv(ptxas.TENSOR_CORES_ENV)  # the default, auto, fixes it too
+    assert ptxas.use_fixed_ptxas(90) == fixed and knobs_at(fixed)
 
 
 SASS = """

@@ -206,13 +206,21 @@ def test_whole_sequence_kernels_are_costed_once_per_call():
     flops, _ = kernel_cost(2, m.n_heads, 128 // m.chunk_size, m.chunk_size, m.head_dim, hidden, 0,
                            max(m.checkpoint_chunks, 1), backward=False)
     assert fwd.flops == pytest.approx(layers * flops)
-    hw = short.hardware
-    assert not hw.kernel_tensor_cores  # the default run: bf16 products on the FMA units (kernels/ptxas.py)
-    assert fwd.compute_s >= fwd.flops / hw.program_flops(2 * m.n_heads, bf16=True) - 1e-12
-    assert hw.program_flops(2 * m.n_heads, bf16=True) == hw.fp32_flops * 2 * m.n_heads / hw.sms
-    tensor = dataclasses.replace(hw, kernel_tensor_cores=True)  # the opt-in with a ptxas >= 13.3
-    assert tensor.program_flops(2 * m.n_heads, bf16=True) == hw.bf16_flops * 2 * m.n_heads / hw.sms
-    assert tensor.program_flops(2 * m.n_heads, bf16=False) == hw.fp32_flops * 2 * m.n_heads / hw.sms
+    hw, programs = short.hardware, 2 * m.n_heads
+    assert hw.kernel_tensor_cores and hw.kernel_measured  # the default: wgmma on Hopper, at the lease's rate
+    assert fwd.compute_s >= fwd.flops / hw.program_flops(programs, bf16=True) - 1e-12
+    assert bwd.compute_s >= bwd.flops / hw.program_flops(programs, bf16=True, backward=True) - 1e-12
+    measured = step_cost.hardware.KERNEL_PROGRAM_FLOPS
+    assert hw.program_flops(programs, bf16=True) == measured["forward"] * programs
+    assert hw.program_flops(programs, bf16=True, backward=True) == measured["backward"] * programs
+    assert hw.program_flops(10 * hw.sms, bf16=True) == measured["forward"] * hw.sms  # one program per SM at a time
+    roofline = dataclasses.replace(hw, kernel_measured=False)  # the peak's share alone
+    assert roofline.program_flops(programs, bf16=True) == hw.bf16_flops * programs / hw.sms
+    assert roofline.program_flops(programs, bf16=False) == hw.fp32_flops * programs / hw.sms
+    fma = dataclasses.replace(roofline, kernel_tensor_cores=False)  # no ptxas >= 13.3: the FMA units
+    assert fma.program_flops(programs, bf16=True) == hw.fp32_flops * programs / hw.sms
+    slow = dataclasses.replace(hw, fp32_flops=hw.fp32_flops / 100, kernel_tensor_cores=False)  # below the measured rate
+    assert slow.program_flops(programs, bf16=True) == slow.fp32_flops * programs / hw.sms
     with pytest.raises(ValueError, match="no neural memory"):
         predict("transformer_debug", seq_len=64, whole_sequence=True)
 

@@ -123,6 +123,23 @@ def test_whole_sequence_odd_shapes_match_reference(ns_steps, residual, read_afte
     check_against_reference((2, 1, 2, 12, 24, 96), ns_steps, residual, read_after_write, 1e-5)
 
 
+@pytest.mark.parametrize("ns_steps", [0, 5])
+def test_whole_sequence_other_hidden_blocks_and_warps_match_reference(ns_steps, monkeypatch):
+    """A lease's overrides (WHOLE_SEQUENCE_HIDDEN_BLOCK, WHOLE_SEQUENCE_WARPS) change how the
+    kernels walk the hidden width, not what they compute: blocks of 32 over a hidden width of 80
+    (three blocks, the last partial) on 4 warps match the reference; a value outside the choices
+    is one error naming them."""
+    from kernels import whole_sequence
+
+    monkeypatch.setenv(whole_sequence.HIDDEN_BLOCK_ENV, "32")
+    monkeypatch.setenv(whole_sequence.WARPS_ENV, "4")
+    assert whole_sequence._blocks(24, 12, 80)["BH"] == 32 and whole_sequence._blocks(64, 64, 256)["num_warps"] == 4
+    check_against_reference((2, 1, 2, 12, 24, 80), ns_steps, False, ns_steps > 0, 1e-5)
+    monkeypatch.setenv(whole_sequence.HIDDEN_BLOCK_ENV, "24")
+    with pytest.raises(ValueError, match="WHOLE_SEQUENCE_HIDDEN_BLOCK='24': choose one of 16, 32, 64, 128"):
+        whole_sequence._blocks(24, 12, 96)
+
+
 @pytest.mark.parametrize("ns_steps, checkpoint_every", [(0, 2), (5, 3)])
 def test_whole_sequence_checkpoint_stride_recomputes_exactly(ns_steps, checkpoint_every):
     """Keeping every 2nd (3rd) chunk's state, 5 chunks (the last group partial): the backward

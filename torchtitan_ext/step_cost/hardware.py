@@ -37,6 +37,18 @@ HOST_SYNC_S = 20e-6  # one device-to-host round trip (the queue drains)
 MULTI_TENSOR_LIST = 36  # tensors per launch of a multi-tensor op (torch's depth-4 lists)
 MULTI_TENSOR_ELEMENTS = 320 * 65536  # elements per launch (blocks x chunk size)
 
+# The whole-sequence kernels' achieved FLOP/s per program (one (batch, head) program per SM), measured on the fifth
+# lease (one H200, 2026-11-28, torch 2.11 + Triton 3.6 with ptxas 13.5, bf16 products through wgmma):
+# titans_mac_400m on the whole-sequence path, compiled and graph-replayed, batch 2 x T 4096 (bench_models.py
+# --profile): whole_sequence_fwd 105.7 ms and whole_sequence_bwd 303.7 ms of CUDA time per step, over this model's
+# FLOPs for the same 152 launches of 32 programs (816.0 and 2,692.9 GFLOPs, `kernels.whole_sequence.kernel_cost`).
+# That is 3.2% / 3.7% of an SM's share of the bf16 peak, and below its share of the fp32 FMA peak (0.51 TFLOP/s):
+# each program is bound by the latency of its serial chain over chunks, not by the units that multiply.
+# Out of sample (the same lease's bench_whole_sequence.py, B 2, H 16, T 4096, every chunk's state kept): the
+# Newton-Schulz kernels (Mela's rule) at these rates take 59.4 ms per layer step against 54.2 ms measured for the
+# whole layer, the per-token ones 18.7 ms against 23.9 ms (docs/benchmarks.md, "Fifth lease").
+KERNEL_PROGRAM_FLOPS = {"forward": 0.241e12, "backward": 0.277e12}
+
 CLASSES = ("attention", "memory update", "memory read", "decoder matmuls", "elementwise", "optimizer")
 
 # The lease's measurements (H100, scripts/bench_models.py plain loop, bf16 autocast, batch 2,
@@ -62,9 +74,12 @@ class Hardware:
     launch_s: float = LAUNCH_FLOOR_S
     sync_s: float = HOST_SYNC_S
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
-    # the whole-sequence kernels' bf16 products on the tensor cores (opt-in, WHOLE_SEQUENCE_TENSOR_CORES=wgmma
-    # with a ptxas >= 13.3: kernels/ptxas.py); False, the default run: on the FMA units
-    kernel_tensor_cores: bool = False
+    # the whole-sequence kernels' bf16 products on the tensor cores (the default on Hopper with a ptxas >= 13.3:
+    # kernels/ptxas.py); False: on the FMA units (no fixed ptxas, or WHOLE_SEQUENCE_TENSOR_CORES=fma)
+    kernel_tensor_cores: bool = True
+    # the whole-sequence kernels' programs at most at the lease's measured rate (`KERNEL_PROGRAM_FLOPS`);
+    # False: at their share of the peak alone (the roofline before that lease)
+    kernel_measured: bool = True
     sms: int = SMS
 
     @classmethod
@@ -74,12 +89,18 @@ class Hardware:
             raise ValueError(f"unknown mode '{mode}': choose from {', '.join(MODES)}")
         return cls(**{"launch_s": LAUNCH_S[mode], **fields})
 
-    def program_flops(self, programs: int, bf16: bool) -> float:
+    def program_flops(self, programs: int, bf16: bool, backward: bool = False) -> float:
         """The FLOP/s of a kernel of `programs` one-SM programs (the whole-sequence kernels): the
         bf16 tensor-core peak for bf16 products with `kernel_tensor_cores`, else the fp32 FMA
-        peak, times the share of the SMs it occupies."""
+        peak, times the share of the SMs it occupies; with `kernel_measured`, at most the lease's
+        measured rate per program (`KERNEL_PROGRAM_FLOPS`, forward or `backward`) times the
+        programs that run at once."""
         peak = self.bf16_flops if bf16 and self.kernel_tensor_cores else self.fp32_flops
-        return peak * min(programs, self.sms) / self.sms
+        running = min(programs, self.sms)
+        rate = peak * running / self.sms
+        if self.kernel_measured:
+            rate = min(rate, KERNEL_PROGRAM_FLOPS["backward" if backward else "forward"] * running)
+        return rate
 
     def peak(self, dtype: torch.dtype | None) -> float:
         if dtype in (torch.bfloat16, torch.float16):

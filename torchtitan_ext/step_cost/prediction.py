@@ -108,7 +108,8 @@ def report(p: Prediction, top: int = 12, baseline: Prediction | None = None) -> 
         f"H100 model: bf16 {hw.bf16_flops / 1e12:.0f} TFLOP/s, fp32 matmuls at {fp32} TFLOP/s, HBM "
         f"{hw.bytes_per_s / 1e12:.2f} TB/s, launch floor {hw.launch_s * 1e6:.1f} us, host sync "
         f"{hw.sync_s * 1e6:.0f} us; whole-sequence kernels' bf16 products on the "
-        f"{'tensor cores (opt-in, ptxas >= 13.3)' if hw.kernel_tensor_cores else 'FMA units'}",
+        f"{'tensor cores (ptxas >= 13.3)' if hw.kernel_tensor_cores else 'FMA units'}"
+        f"{', at most the lease-measured rate per program' if hw.kernel_measured else ''}",
         f"{'class':<16} {'launches':>9} {'GFLOPs':>10} {'GB moved':>9} {'roofline ms':>12} {'floor ms':>9} "
         f"{'pred ms':>9} {'share':>6}",
     ]

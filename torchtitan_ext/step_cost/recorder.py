@@ -238,7 +238,8 @@ class _Recorder:
         if kind == "memory_kernel":  # kernels/whole_sequence.py: one launch of (batch x heads) programs
             flops, nbytes, programs = whole_sequence_kernel_cost(func, args, kwargs)
             # bf16 products under bf16 autocast, as the layer asks on CUDA (meta has no autocast)
-            compute = max(flops / hw.program_flops(programs, self.bf16), nbytes / hw.bytes_per_s)
+            backward = func.overloadpacket.__name__.endswith("bwd")
+            compute = max(flops / hw.program_flops(programs, self.bf16, backward), nbytes / hw.bytes_per_s)
             self._book(func.overloadpacket.__name__, cls, tag, Cost(1, flops, nbytes, compute, hw.launch_s), False)
             return
         if kind == "multi":
