@@ -176,6 +176,7 @@ def capture_step(train_step, optimizer, warmup: int):
     (the same tensor, overwritten). The data and every buffer are static: a replay trains the
     same batch again, which is what a throughput benchmark needs."""
     start = time.perf_counter()
+    progress("warmup starts (the first step compiles)")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -341,7 +341,8 @@ class Session:
             if passed:
                 self.products_env, self.next_try = env, index
                 break
-            if env[ptxas.TENSOR_CORES_ENV] != "fma" and not self.sanitized:  # the first failed tensor-core form, under memcheck
+            # the first failed tensor-core form, under memcheck
+            if env[ptxas.TENSOR_CORES_ENV] != "fma" and not self.sanitized:
                 self.sanitized = True
                 sanitizer = {"sanitizer": self.sanitize(model, {**interpreted, **env})}
         else:  # none passed: the later commands run the FMA products

@@ -67,7 +67,7 @@ ${PIP:-python3 -m pip} download -q --no-deps --only-binary=:all: --python-versio
   --platform manylinux2014_x86_64 --platform any -d "$DIR" "${PINNED[@]}"
 
 # A ptxas >= 13.3 for Hopper (kernels/ptxas.py: Triton <= 3.6 assembles sm_90 with ptxas 12.8, which
-# has a register-operand wgmma fault; the whole-sequence kernels' opt-in tensor-core products need the
+# has a register-operand wgmma fault; the whole-sequence kernels' tensor-core products (the Hopper default) need the
 # fixed one), xz-compressed to fit a carry (12 MiB): scripts/gpu_session.sh unpacks it; the lease's
 # kernels check decides whether later sections use it.
 NVCC=$(mktemp -d)

@@ -1,7 +1,8 @@
 """Where one training step's time goes on an H100, predicted on a CPU (torchtitan_ext/step_cost/).
 
     python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2]
-        [--mode eager|compiled|graphs] [--whole-sequence] [--fma-kernels] [--kernel-roofline] [--tf32] [--launch-floor-us US] [--sync-us 20]
+        [--mode eager|compiled|graphs] [--whole-sequence] [--fma-kernels] [--kernel-roofline] [--tf32]
+        [--launch-floor-us US] [--sync-us 20]
         [--baseline transformer_400m|none] [--top 12]
 
 Records one bench_models.py training step (bf16 autocast, fp32 parameters, cross-entropy, fused
@@ -33,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
                    "torch's allow_tf32=False, as bench_models.py runs)")
     p.add_argument("--fma-kernels", action="store_true", help="the whole-sequence kernels' bf16 products on the FMA "
                    "units, as without a ptxas >= 13.3 on Hopper or with WHOLE_SEQUENCE_TENSOR_CORES=fma (default: the "
-                   "tensor cores; kernels/ptxas.py)")
+                   "tensor cores; kernels/ptxas.py; under the measured cap the same cost: that rate is below both units' "
+                   "shares, and the FMA form's own is unmeasured)")
     p.add_argument("--kernel-roofline", action="store_true", help="the whole-sequence kernels at their share of the "
                    "peak alone (default: at most the rate per program a lease measured, KERNEL_PROGRAM_FLOPS)")
     p.add_argument("--launch-floor-us", type=float, help="cost added per launch (default: the mode's LAUNCH_S)")

@@ -188,7 +188,7 @@ def test_the_kernels_check_tries_wgmma_then_mma_then_fma_and_later_commands_keep
     (Triton's knobs at it) is tried first; it fails here, so it runs once more under memcheck and
     mma.sync is tried (Triton's own ptxas), passes, and is what the commands after it (perf, a
     second model's check) run with. Without a usable FIXED_PTXAS the tries start at mma.sync; all
-    failing ends at the FMA units, the opt-in set empty."""
+    failing ends at the FMA units, the mode named `fma`."""
     fixed = tmp_path / "ptxas"
     fixed.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.5, V13.5.37'\n")
     fixed.chmod(0o755)

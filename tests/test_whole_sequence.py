@@ -335,7 +335,7 @@ def test_kernels_compile_for_an_h100_within_its_shared_memory_and_spill_bound():
     """scripts/compile_kernels.py builds kernels for sm_90 with Triton's bundled CUDA backend
     (no GPU; a process of its own, since this one's kernels are the interpreter's): the forward
     in fp32 products and the per-token backward in each bf16 form (on the FMA units, the
-    training default under autocast; the opt-ins through wgmma and mma.sync) at the paper shape
+    fallback without a fixed ptxas; through wgmma, the Hopper default, and mma.sync) at the paper shape
     fit 227 KiB of shared memory and spill no more than the script's bound, read from ptxas's
     report (every variant: docs/benchmarks.md); the wgmma backward's HGMMAs have no register
     written while in flight (kernels/ptxas.py `wgmma_hazards`), and the other forms have none."""
