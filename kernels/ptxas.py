@@ -17,8 +17,8 @@ CUDA >= 13.3 toolkit, `pip install nvidia-cuda-nvcc>=13.3` (the `gpu` extra), or
 bundles one as `ptxas-blackwell` (Triton 3.9: 13.4). Without one it multiplies bf16-rounded
 operands on the FMA units (the same values) and warns once, naming the fix. Pointing Triton
 at the fixed ptxas holds for every Triton kernel of the process (inductor's and flex attention's
-too), whether or not a model uses these kernels; on the fifth lease MAC's compiled step ran so. Other architectures
-run the FMA units by default: no lease has run the tensor-core variant there; `wgmma` / `mma`
+too), whether or not a model uses these kernels; on the fifth lease MAC's compiled step ran so.
+Other architectures run the FMA units by default: no lease has run the tensor-core variant there; `wgmma` / `mma`
 ask for it anywhere (Ampere's `mma.sync` is synchronous, Blackwell's `tcgen05` reads no operand
 from registers), `fma` keeps the FMA units everywhere.
 """

@@ -14,7 +14,8 @@ WHOLE_SEQUENCE_TENSOR_CORES=mma, compiled with DISABLE_MMA_V3=1), or on the FMA 
 fallback), with the
 launch options of kernels/whole_sequence.py (blocks, warps,
 num_stages=1; WHOLE_SEQUENCE_HIDDEN_BLOCK and WHOLE_SEQUENCE_WARPS change them as they change a
-launch; a wider block spills past the bound, which the run then reports by exiting 1). It prints per variant the registers per thread and the spill stores / loads
+launch; a wider block spills past the bound, which the run then reports by exiting 1). It prints
+per variant the registers per thread and the spill stores / loads
 (bytes per thread), read from ptxas's report (`ptxas -v` run again on the kernel's PTX: Triton
 reads registers and spills only when it loads a kernel on a GPU), the shared memory each needs
 against the card's per-block limit (H100: 232,448 bytes, 227 KiB) and the compile time. It exits 1
@@ -54,7 +55,8 @@ SHARED_LIMIT = {90: 232_448}  # opt-in shared memory per block, bytes
 # now, rounded up. bf16 through wgmma (the default on Hopper, with a fixed ptxas): the Newton-Schulz
 # backward's 1,100 B of loads with the surprise bound (--bound; 916 B without), the per-token backward
 # 580 B (424 B), the forwards none. bf16 through mma.sync: the per-token backward's 1,224 B of loads
-# with the bound (976 B without), the Newton-Schulz backward 724 B (556 B), the forwards <= 24 B. bf16 on the FMA units (operands rounded to bf16: the
+# with the bound (976 B without), the Newton-Schulz backward 724 B (556 B), the forwards <= 24 B.
+# bf16 on the FMA units (operands rounded to bf16: the
 # fallback without a fixed ptxas): the Newton-Schulz backward's 24,508 B
 # (with the bound), the per-token backward 4,544 B, the forwards <= 588 B. fp32: the
 # Newton-Schulz backward's 39,996 B. Why not 0: kernels/whole_sequence_triton.py.

@@ -34,8 +34,8 @@ def parser() -> argparse.ArgumentParser:
                    "torch's allow_tf32=False, as bench_models.py runs)")
     p.add_argument("--fma-kernels", action="store_true", help="the whole-sequence kernels' bf16 products on the FMA "
                    "units, as without a ptxas >= 13.3 on Hopper or with WHOLE_SEQUENCE_TENSOR_CORES=fma (default: the "
-                   "tensor cores; kernels/ptxas.py; under the measured cap the same cost: that rate is below both units' "
-                   "shares, and the FMA form's own is unmeasured)")
+                   "tensor cores; kernels/ptxas.py; under the measured cap the same cost: that rate is below both "
+                   "units' shares, and the FMA form's own is unmeasured)")
     p.add_argument("--kernel-roofline", action="store_true", help="the whole-sequence kernels at their share of the "
                    "peak alone (default: at most the rate per program a lease measured, KERNEL_PROGRAM_FLOPS)")
     p.add_argument("--launch-floor-us", type=float, help="cost added per launch (default: the mode's LAUNCH_S)")

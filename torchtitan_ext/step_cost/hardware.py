@@ -47,7 +47,10 @@ MULTI_TENSOR_ELEMENTS = 320 * 65536  # elements per launch (blocks x chunk size)
 # Out of sample (the same lease's bench_whole_sequence.py, B 2, H 16, T 4096, every chunk's state kept): the
 # Newton-Schulz kernels (Mela's rule) at these rates take 59.4 ms per layer step against 54.2 ms measured for the
 # whole layer, the per-token ones 18.7 ms against 23.9 ms (docs/benchmarks.md, "Fifth lease").
-KERNEL_PROGRAM_FLOPS = {"forward": 0.241e12, "backward": 0.277e12}
+# (kernel FLOPs per step, measured CUDA seconds per step, programs per launch) of that profile
+_MEASURED_KERNELS = {"forward": (816.0e9, 105.7e-3, 32), "backward": (2_692.9e9, 303.7e-3, 32)}
+KERNEL_PROGRAM_FLOPS = {kind: flops / seconds / programs  # 0.241e12 forward, 0.277e12 backward
+                        for kind, (flops, seconds, programs) in _MEASURED_KERNELS.items()}
 
 CLASSES = ("attention", "memory update", "memory read", "decoder matmuls", "elementwise", "optimizer")
 
