@@ -97,3 +97,19 @@ def test_training_to_the_plateau_stops_where_the_rule_says(scores, stop, steps):
     run = mqar.train(model, mqar.Task(seq_len=16, num_kv=2, vocab=32), steps=8 if stop == "cap" else 12, batch_size=2,
                      eval_every=2, evaluate=lambda m: next(script), until=mqar.Plateau(window=3))
     assert run.stop == stop and run.curve[-1][0] == steps and [a for _, a in run.curve] == scores[:steps // 2]
+
+
+def test_a_snapshot_of_another_run_is_not_loaded(tmp_path):
+    """A snapshot file whose key names another run (another rate here) leaves the model and the
+    optimizer as they are and gives a fresh Run."""
+    model = mqar.build_model("transformer", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=32)
+    task = mqar.Task(seq_len=16, num_kv=2, vocab=32)
+    mqar.train(model, task, steps=4, batch_size=2, eval_every=2, snapshot=mqar.Snapshot(tmp_path / "s.pt", {"lr": 1e-3}))
+    assert torch.load(tmp_path / "s.pt", weights_only=False)["step"] == 2  # written after the evaluation that did not stop it
+    fresh = mqar.build_model("transformer", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=32)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    optimizer = torch.optim.AdamW(fresh.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    done, run = mqar.Snapshot(tmp_path / "s.pt", {"lr": 3e-3}).load(fresh, optimizer, schedule, torch.Generator())
+    assert (done, run.curve) == (0, []) and not optimizer.state
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())

@@ -249,7 +249,7 @@ def test_a_run_made_under_another_plateau_window_is_trained_again_not_reused(tmp
     """The run file's setting is the cache key: more seeds reuse a run, another window does not."""
     calls = []
 
-    def fake_run(name, s, seed, lr, build=None):
+    def fake_run(name, s, seed, lr, build=None, snapshot=None):
         calls.append((s.plateau_window, seed, lr))
         return torch.nn.Linear(1, 1), {"seed": seed, "lr": lr, "plateau_window": s.plateau_window, "val_accuracy": 0.0,
                                        "stop_step": 1, "stop": "cap", "train_seconds": 0.0}
@@ -271,7 +271,7 @@ def test_a_run_made_under_another_plateau_window_is_trained_again_not_reused(tmp
 def test_a_run_killed_while_its_file_is_written_leaves_the_earlier_file(tmp_path, monkeypatch):
     """Run files are renamed into place (`paths.write_json`): a write that fails half way (here the
     disk filling up after the first bytes) leaves the earlier run of that name whole and readable."""
-    def fake_run(name, s, seed, lr, build=None):
+    def fake_run(name, s, seed, lr, build=None, snapshot=None):
         return torch.nn.Linear(1, 1), {"seed": seed, "lr": lr, "plateau_window": s.plateau_window, "stop_step": 1,
                                        "val_accuracy": 0.0, "stop": "cap", "train_seconds": 0.0}
 
@@ -292,6 +292,33 @@ def test_a_run_killed_while_its_file_is_written_leaves_the_earlier_file(tmp_path
                            log=lambda line: None)
     assert path.read_text() == earlier and json.loads(earlier)["record"]["plateau_window"] == 2
     assert mqar_suite.runs_done("transformer_full", QUICK, tmp_path)[0] == 1
+
+
+def test_a_run_killed_after_an_evaluation_resumes_there_as_the_run_it_would_have_been(tmp_path, monkeypatch):
+    """A Titans MAC run killed after its second evaluation (here: its third raises) leaves its
+    snapshot; the rerun goes on from there and its record (curves, per-task curves, last loss,
+    stop, test items) equals the uncut run's, and the snapshot is gone once the run file is written."""
+    s = dataclasses.replace(QUICK, cap_factor=3, plateau_window=4)  # up to 6 steps, an evaluation after each
+    uncut_model, uncut = mqar_suite.train_run("titans_mac", s, 0, 1e-3)
+    uncut["tasks"] = mqar_suite.test_items(uncut_model, s, 0)
+    real, calls = mqar_suite.validation_accuracies, []
+
+    def killed_at_the_third(model, setting, seed):
+        calls.append(seed)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(model, setting, seed)
+
+    monkeypatch.setattr(mqar_suite, "validation_accuracies", killed_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        mqar_suite.trained("titans_mac", s, 0, 1e-3, tmp_path, log=lambda line: None)
+    snapshot = tmp_path / "lr0.001_seed0.snapshot.pt"
+    assert torch.load(snapshot, weights_only=False)["step"] == 2
+    monkeypatch.setattr(mqar_suite, "validation_accuracies", real)
+    resumed = mqar_suite.trained("titans_mac", s, 0, 1e-3, tmp_path, log=lambda line: None)
+    assert not snapshot.exists() and len(uncut["curve"]) > 2
+    timing = ("train_seconds", "train_tokens_per_s")
+    assert {k: v for k, v in resumed.items() if k not in timing} == {k: v for k, v in uncut.items() if k not in timing}
 
 
 def test_runs_trained_in_parallel_workers_equal_the_runs_trained_one_after_another(tmp_path):

@@ -12,14 +12,18 @@ llama3, the Transformer++ users train; the others their plain `models/` class), 
 family's debug flavor with `fields` overriding it. `train(model, task, ...)`: AdamW, up to
 `steps` steps on fresh batches, accuracy on a held-out batch every `eval_every` steps; the run
 stops early (`nonfinite_step`) when the loss or a parameter stops being finite, and, given a
-`Plateau`, when validation accuracy reaches its target or stops gaining.
+`Plateau`, when validation accuracy reaches its target or stops gaining; given a `Snapshot`,
+a run cut short (a killed process, a session's end) resumes after its last evaluation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -161,13 +165,55 @@ class Run:
     last_loss: float = math.nan
     nonfinite_step: int | None = None
     stop: str = "cap"
+    seconds: float = 0.0  # training wall-clock, summed over the parts of a resumed run
+
+
+@dataclass
+class Snapshot:
+    """Where `train` keeps a run resumable. After every evaluation that does not stop the run
+    it writes, atomically (a temporary sibling renamed over `path`), the model, optimizer, lr
+    schedule, batch generator, torch's global RNG, the `Run` so far and `progress` (the
+    caller's own records, e.g. per-task accuracies, which its `evaluate` keeps in this dict).
+    A later `train` given a Snapshot at the same `path` with an equal `key` (what the run is:
+    its setting, row, rate, seed) loads it and goes on after that evaluation, bit for bit the
+    run it would have been uncut, `progress` updated in place; a file of another key is
+    ignored and overwritten. The caller deletes the file once the run's result is written."""
+
+    path: Path
+    key: dict
+    progress: dict = field(default_factory=dict)
+
+    def save(self, step: int, model, optimizer, schedule, generator: torch.Generator, run: Run) -> None:
+        partial = self.path.with_suffix(".partial")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": self.key, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "generator": generator.get_state(),
+                    "rng": torch.get_rng_state(), "run": dataclasses.asdict(run), "progress": self.progress}, partial)
+        partial.replace(self.path)
+
+    def load(self, model, optimizer, schedule, generator: torch.Generator) -> tuple[int, Run]:
+        """(the last step done, the Run so far) from the file, restoring everything else in
+        place; (0, a fresh Run) when there is no file of this key."""
+        if not self.path.is_file():
+            return 0, Run()
+        saved = torch.load(self.path, weights_only=False)
+        if saved["key"] != self.key:
+            return 0, Run()
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        generator.set_state(saved["generator"])
+        torch.set_rng_state(saved["rng"])
+        self.progress.update(saved["progress"])
+        return saved["step"], Run(**saved["run"])
 
 
 def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int, lr: float = 3e-3, batch_size: int = 64,
           eval_every: int = 250, eval_size: int = 256, seed: int = 0, weight_decay: float = 0.1,
           warmup_fraction: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), clip_norm: float = 0.0,
           cosine_steps: int = 0, after_step: Callable[[int, float], bool] | None = None,
-          evaluate: Callable[[torch.nn.Module], float] | None = None, until: Plateau | None = None) -> Run:
+          evaluate: Callable[[torch.nn.Module], float] | None = None, until: Plateau | None = None,
+          snapshot: Snapshot | None = None) -> Run:
     """AdamW (betas (0.9, 0.95), weight decay 0.1 as the paper recipes; lr constant after a linear
     warmup over `warmup_fraction` of the steps), `steps` steps on fresh batches, accuracy on
     one held-out batch (its own seed) every `eval_every` steps and at the end. `task` may be
@@ -177,7 +223,8 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
     them); `after_step(step, loss)` runs after each update and returning True marks the step
     non-finite and stops the run (e.g. a memory state that left the finite range).
     `evaluate(model)` (in eval mode) replaces the held-out batch's accuracy; `until` stops the
-    run after the evaluation at which `until.reason(accuracies)` names a reason (`Run.stop`)."""
+    run after the evaluation at which `until.reason(accuracies)` names a reason (`Run.stop`);
+    `snapshot` keeps the run resumable (`Snapshot`)."""
     generator = torch.Generator().manual_seed(seed)
     if evaluate is None:
         held_out = mixed_batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
@@ -193,8 +240,9 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, cosine_steps - warmup))))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    run = Run()
-    for step in range(1, steps + 1):
+    done, run = snapshot.load(model, optimizer, schedule, generator) if snapshot is not None else (0, Run())
+    began, seconds_before = time.perf_counter(), run.seconds
+    for step in range(done + 1, steps + 1):
         inputs, targets = mixed_batch(task, batch_size, generator)
         logits = logits_of(model, inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
@@ -217,4 +265,8 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
             if reason is not None:
                 run.stop = reason
                 break
+            if snapshot is not None and step < steps:
+                run.seconds = seconds_before + time.perf_counter() - began
+                snapshot.save(step, model, optimizer, schedule, generator, run)
+    run.seconds = seconds_before + time.perf_counter() - began
     return run

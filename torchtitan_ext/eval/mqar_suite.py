@@ -47,7 +47,9 @@ them exactly); a comparison resamples the per-prompt differences of the paired r
 Verdicts, the floor and the no-control rule: torchtitan_ext/eval/mqar_verdicts.py.
 
 Resuming: each run (row, lr, seed) is written to DIR/runs/<row>/lr<lr>_seed<seed>.json as it
-ends and each finished row to DIR/rows/<row>.json; a rerun with the same setting skips both.
+ends and each finished row to DIR/rows/<row>.json; a rerun with the same setting skips both. A run
+in progress keeps DIR/runs/<row>/lr<lr>_seed<seed>.snapshot.pt after each evaluation (mqar.Snapshot),
+so a rerun after a kill goes on from its last evaluation, the same run as if uncut.
 """
 
 from __future__ import annotations
@@ -317,30 +319,32 @@ def validation_accuracies(model: torch.nn.Module, s: Setting, seed: int) -> dict
     return scores
 
 
-def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row) -> tuple[torch.nn.Module, dict]:
+def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row,
+              snapshot: Path | None = None) -> tuple[torch.nn.Module, dict]:
     """One row trained at one seed and rate (to its plateau when `s.cap_factor`, else `s.steps`
     steps): (model, record). `build(name, s)` makes the model (after `torch.manual_seed(seed)`).
     The record: "curve" [[step, validation accuracy (mean over the training tasks)]], every
     `eval_every` steps and at the stop; "curve_by_kv" the same per training task; "stop" (the
     reason: mqar.Run.stop) and "stop_step"; "val_accuracy" the last evaluation (-1.0 when the
     run went non-finite: it ranks last in the sweep) and "plateau_accuracy" the same (None when
-    non-finite); "nonfinite_step", "last_loss", "train_tokens", "train_seconds"."""
+    non-finite); "nonfinite_step", "last_loss", "train_tokens", "train_seconds" (summed over
+    the parts of a resumed run). `snapshot`: the file that keeps the run resumable after each
+    evaluation (mqar.Snapshot, keyed by the row, setting, rate and seed)."""
     torch.manual_seed(seed)
     model = build(name, s)
     tasks = tuple(mqar.Task(seq_len=s.train_len, num_kv=kv, vocab=s.vocab) for kv in s.train_kv)
-    by_kv = []
+    keep = mqar.Snapshot(snapshot, {"row": name, "setting": run_key(s), "lr": lr, "seed": seed}, {"by_kv": []})
 
     def evaluate(m: torch.nn.Module) -> float:
         scores = validation_accuracies(m, s, seed)
-        by_kv.append(scores)
+        keep.progress["by_kv"].append(scores)
         return sum(scores.values()) / len(scores)
 
-    start = time.perf_counter()
     warmup = s.warmup_fraction * s.steps / s.max_steps()  # of `steps`, not of the cap
     run = mqar.train(model, tasks, steps=s.max_steps(), lr=lr, batch_size=s.batch_size, eval_every=s.eval_every,
                      seed=10_000 + seed, weight_decay=s.weight_decay, warmup_fraction=warmup,
-                     evaluate=evaluate, until=s.plateau())
-    seconds = time.perf_counter() - start
+                     evaluate=evaluate, until=s.plateau(), snapshot=keep if snapshot is not None else None)
+    seconds, by_kv = run.seconds, keep.progress["by_kv"]
     steps_done = run.nonfinite_step or (run.curve[-1][0] if run.curve else 0)
     finite = run.nonfinite_step is None
     record = {"seed": seed, "lr": lr, "train_seconds": seconds, "train_tokens": steps_done * s.tokens_per_step(),
@@ -427,14 +431,17 @@ def trained(name: str, s: Setting, seed: int, lr: float, folder: Path, log=print
     grid aside, so adding seeds reuses the runs done), else trained and written there as it
     ends, replacing it atomically (`paths.write_json`: a run killed while writing leaves no half
     file). Every other field is the key: a run made under another plateau window, cap or shape is
-    trained again, never reused."""
+    trained again, never reused. A run in progress keeps folder/lr<lr>_seed<seed>.snapshot.pt after
+    each evaluation, so a killed one resumes there (`train_run`); the file goes once the run's is written."""
     path = folder / f"lr{lr:g}_seed{seed}.json"
     setting = run_key(s)
     if path.is_file() and json.loads(path.read_text())["setting"] == setting:
         return json.loads(path.read_text())["record"]
-    model, record = train_run(name, s, seed, lr)
+    snapshot = folder / f"lr{lr:g}_seed{seed}.snapshot.pt"
+    model, record = train_run(name, s, seed, lr, snapshot=snapshot)
     record["tasks"] = test_items(model, s, seed)
     write_json(path, {"setting": setting, "record": record}, indent=None)
+    snapshot.unlink(missing_ok=True)
     log(f"{name} seed {seed} lr {lr:g}: validation {record['val_accuracy']:.3f}, stopped at step {record['stop_step']} "
         f"({record['stop']}; {record['train_seconds']:.0f} s)")
     return record
