@@ -86,13 +86,14 @@ def test_only_the_last_cycle_runs_with_gradients():
     for name in seen:
         module = getattr(model.hmm, f"{name}_module")
         module.register_forward_hook(lambda m, args, out, name=name: seen[name].append(
-            (torch.is_grad_enabled(), args[0].requires_grad, out[0].requires_grad)))
+            (torch.is_grad_enabled(), args[0].grad_fn is not None, out[0].requires_grad)))
     model(tokens(1, 16)).sum().backward()
-    # (grad mode, input needs grad, output needs grad) per call; 2 L-steps per cycle. The
-    # first step reads x_p itself; the last cycle starts from detached l, h states.
+    # (grad mode, input joined to the earlier graph, output needs grad) per call; 2 L-steps per
+    # cycle. The no-grad cycles' inputs are detached (`uniform_inputs`); the last cycle starts
+    # from detached l, h states (leaves), and its second L-step reads the first's output.
     no_grad = [(False, False, False)]
-    assert seen["l"] == [(False, True, False)] + no_grad * 3 + [(True, False, True), (True, True, True)]
-    assert seen["h"] == [(False, True, False)] + no_grad + [(True, False, True)]
+    assert seen["l"] == no_grad * 4 + [(True, False, True), (True, True, True)]
+    assert seen["h"] == no_grad * 2 + [(True, False, True)]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -255,7 +256,7 @@ def memory_calls(model: Mela, length: int) -> dict[int, list[tuple]]:
 def test_per_block_chain_carries_one_memory_through_every_step_and_chunk():
     """per_block: each call of a block's memory starts from the state its previous call
     returned (L-steps, cycles, then the next chunk), the first from the initial weights. per_step: a fresh stream's H*L + H
-    step chains each start from a fresh memory, once over the whole sequence."""
+    step chains each start from a fresh memory (the initial weights, zero momentum), once over the whole sequence."""
     model = small_model(memory_chain="per_block", h_cycles=2, l_cycles=2)
     n_chunks = 3
     calls = memory_calls(model, 8 * n_chunks)
@@ -272,7 +273,11 @@ def test_per_block_chain_carries_one_memory_through_every_step_and_chunk():
     per_step = memory_calls(model, 8 * n_chunks)
     assert len(per_step[id(model.hmm.l_module.blocks[0].memory)]) == 2 * 2
     assert len(per_step[id(model.hmm.h_module.blocks[0].memory)]) == 2
-    assert all(state_in is None for chain in per_step.values() for state_in, _ in chain)
+    for memory_id, chain in per_step.items():  # each step's chain starts from the initial weights, zero momentum
+        memory = next(m for m in model.modules() if id(m) == memory_id)
+        for state_in, _ in chain:
+            assert all(torch.equal(w[0], initial) for w, initial in zip(state_in.weights, memory.initial()))
+            assert not any(m.any() for m in state_in.momentum)
 
 
 def test_per_block_initial_memory_and_earlier_writes_learn_through_the_no_grad_cycles():
@@ -350,22 +355,30 @@ def test_the_default_memory_step_keeps_float32_near_float64_and_the_unit_step_do
     assert gaps[0.1] < 1e-4 and gaps[1.0] > 1e-2, gaps
 
 
-def test_hmm_modules_compile_fullgraph_and_match_eager():
+def test_hmm_modules_compile_fullgraph_to_one_graph_per_grad_mode_and_match_eager():
     """Training with compile on compiles the HMM's L- and H-module with fullgraph=True
-    (torchtitan_ext/families/mela.py `compile_hmm`; aot_eager here): the recursion's grad-off
-    and grad-on cycles and fresh / carried states fit the recompile limit, and the step's
-    logits and gradients equal the eager model's."""
+    (torchtitan_ext/families/mela.py `compile_hmm`; aot_eager here): over a training step of 4
+    chunks (fresh, then carried states; grad-off and grad-on cycles) and an evaluation forward,
+    each module compiles one graph per grad mode (`uniform_inputs`; 9 graphs for the two
+    modules before it), and the step's logits and gradients equal the eager model's."""
+    from torch._dynamo.utils import counters
+
     from torchtitan_ext.families.mela import compile_hmm, hmm_modules
 
     model, x = small_model(), tokens(2, 32)
     runs = []
     for compiled in (False, True):
         if compiled:
+            torch._dynamo.reset()
+            counters.clear()
             compile_hmm(model, "aot_eager")
         model.zero_grad()
         logits = model(x)
         logits.float().square().mean().backward()
         runs.append((logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    with torch.no_grad():
+        model.eval()(x)
+    assert counters["stats"]["unique_graphs"] == 4  # (L, H) x (grad on, off)
     assert all(model.get_submodule(name)._compiled_call_impl is not None for name in hmm_modules(model))
     (eager, eager_grads), (compiled, compiled_grads) = runs
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -86,6 +86,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from models.layers.diagnostics import recording_on
 from models.layers.ffn import swiglu_hidden
@@ -350,6 +351,9 @@ class HierarchicalMemory(nn.Module):
             l_states = [l_states[0] or self.l_module.fresh_states(x_p)]
             h_states = [h_states[0] or self.h_module.fresh_states(x_p)]
             entering = l_states[0], h_states[0]
+        else:  # fresh chains as states, not None: one call structure for the compiled modules
+            l_states = [states or self.l_module.fresh_states(x_p) for states in l_states]
+            h_states = [states or self.h_module.fresh_states(x_p) for states in h_states]
         low = high = x_p  # the paper's l and h states
         zs, changes = [], {}
         for cycle in range(cfg.h_cycles):
@@ -362,9 +366,9 @@ class HierarchicalMemory(nn.Module):
                         l_states[0], h_states[0] = map(straight_through, entering, (l_states[0], h_states[0]))
                 for step in range(cycle * cfg.l_cycles, (cycle + 1) * cfg.l_cycles):
                     k = 0 if shared else step
-                    low, l_states[k] = self.l_module(low, high, x_p, l_states[k])
+                    low, l_states[k] = self.l_module(*uniform_inputs(low, high, x_p, l_states[k]))
                 k = 0 if shared else cycle
-                high, h_states[k] = self.h_module(high, low, None, h_states[k])
+                high, h_states[k] = self.h_module(*uniform_inputs(high, low, None, h_states[k]))
             if recording_on():
                 changes |= {f"cycle{cycle}/{name}_change": relative_norm(after.detach() - prior, prior)
                             for name, after, prior in (("l", low, before[0]), ("h", high, before[1]))}
@@ -373,6 +377,33 @@ class HierarchicalMemory(nn.Module):
         if recording_on():
             self.last_stats = changes
         return zs, tuple(l_states), tuple(h_states)
+
+
+def uniform_inputs(*inputs):
+    """An L- or H-module call's inputs (a, b, injection, states) with every tensor's requires_grad
+    equal to the grad mode, so each compiled module (torchtitan_ext/families/mela.py `compile_hmm`)
+    keeps one graph per grad mode and state structure where dynamo, which guards on each
+    input's requires_grad, made one per combination (11 graphs at the debug flavor's first
+    step, 5 now; tests/test_mela.py). Under no_grad (HRM's earlier cycles, evaluation) every
+    tensor is detached; under grad a tensor that does not require grad (the detached l and h
+    entering the last cycle, a fresh chain's zero momentum) becomes a detached leaf that does:
+    values and every other gradient are unchanged, and the leaf's own gradient, one small
+    product of the input fusion or an addition, is dropped. Traced inside a larger compiled
+    region (the whole training step), the modules are inlined into one graph with no guards of
+    their own, so the inputs pass unchanged (dynamo refuses requires_grad_ there)."""
+    if torch.compiler.is_compiling():
+        return inputs
+    grad = torch.is_grad_enabled()
+
+    def uniform(t):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return t
+        t = t.contiguous() if t.numel() else t.new_zeros(t.shape)  # strides too are guarded
+        if t.requires_grad == grad:
+            return t
+        return t.detach().requires_grad_() if grad else t.detach()
+
+    return tree_map(uniform, inputs)
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -74,10 +74,11 @@ def flops_per_token(cfg: MelaConfig, seq_len: int) -> float:
     return decoder + (hmm if cfg.memory_path else 0.0)
 
 
-# Graphs one HMM memory block's compiled forward may need (dynamo's default limit is 8): the
-# recursion calls the same blocks with grad on (the last cycle) and off (HRM's earlier cycles),
-# with a fresh or a carried memory state, whose tensors require grad or not: 6 graphs at the
-# debug flavor (H = L = 2), each shared by every block of one shape (modules are graph inputs).
+# Graphs the HMM's compiled modules may need (dynamo's default limit is 8): the recursion calls
+# them with grad on (the last cycle) and off (HRM's earlier cycles); `models.lms.mela.uniform_inputs`
+# gives every call of one grad mode the same requires_grad and strides, so a training step and
+# an evaluation compile 4 graphs (L- and H-module x grad on / off; 9 before it: tests/test_mela.py).
+# The margin is for other shapes in one process (a stream's partial chunks, another batch).
 HMM_RECOMPILE_LIMIT = 16
 
 
