@@ -86,14 +86,13 @@ def test_only_the_last_cycle_runs_with_gradients():
     for name in seen:
         module = getattr(model.hmm, f"{name}_module")
         module.register_forward_hook(lambda m, args, out, name=name: seen[name].append(
-            (torch.is_grad_enabled(), args[0].grad_fn is not None, out[0].requires_grad)))
+            (torch.is_grad_enabled(), args[0].requires_grad, out[0].requires_grad)))
     model(tokens(1, 16)).sum().backward()
-    # (grad mode, input joined to the earlier graph, output needs grad) per call; 2 L-steps per
-    # cycle. The no-grad cycles' inputs are detached (`uniform_inputs`); the last cycle starts
-    # from detached l, h states (leaves), and its second L-step reads the first's output.
+    # (grad mode, input needs grad, output needs grad) per call; 2 L-steps per cycle. The
+    # first step reads x_p itself; the last cycle starts from detached l, h states.
     no_grad = [(False, False, False)]
-    assert seen["l"] == no_grad * 4 + [(True, False, True), (True, True, True)]
-    assert seen["h"] == no_grad * 2 + [(True, False, True)]
+    assert seen["l"] == [(False, True, False)] + no_grad * 3 + [(True, False, True), (True, True, True)]
+    assert seen["h"] == [(False, True, False)] + no_grad + [(True, False, True)]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -359,7 +358,7 @@ def test_hmm_modules_compile_fullgraph_to_one_graph_per_grad_mode_and_match_eage
     """Training with compile on compiles the HMM's L- and H-module with fullgraph=True
     (torchtitan_ext/families/mela.py `compile_hmm`; aot_eager here): over a training step of 4
     chunks (fresh, then carried states; grad-off and grad-on cycles) and an evaluation forward,
-    each module compiles one graph per grad mode (`uniform_inputs`; 9 graphs for the two
+    each module compiles one graph per grad mode (`uniform_call`; 9 graphs for the two
     modules before it), and the step's logits and gradients equal the eager model's."""
     from torch._dynamo.utils import counters
 

@@ -366,9 +366,9 @@ class HierarchicalMemory(nn.Module):
                         l_states[0], h_states[0] = map(straight_through, entering, (l_states[0], h_states[0]))
                 for step in range(cycle * cfg.l_cycles, (cycle + 1) * cfg.l_cycles):
                     k = 0 if shared else step
-                    low, l_states[k] = self.l_module(*uniform_inputs(low, high, x_p, l_states[k]))
+                    low, l_states[k] = uniform_call(self.l_module, low, high, x_p, l_states[k])
                 k = 0 if shared else cycle
-                high, h_states[k] = self.h_module(*uniform_inputs(high, low, None, h_states[k]))
+                high, h_states[k] = uniform_call(self.h_module, high, low, None, h_states[k])
             if recording_on():
                 changes |= {f"cycle{cycle}/{name}_change": relative_norm(after.detach() - prior, prior)
                             for name, after, prior in (("l", low, before[0]), ("h", high, before[1]))}
@@ -379,8 +379,9 @@ class HierarchicalMemory(nn.Module):
         return zs, tuple(l_states), tuple(h_states)
 
 
-def uniform_inputs(*inputs):
-    """An L- or H-module call's inputs (a, b, injection, states) with every tensor's requires_grad
+def uniform_call(module: nn.Module, *inputs):
+    """module(*inputs) for an L- or H-module; when the module is compiled (nn.Module.compile sets
+    `_compiled_call_impl`), its inputs (a, b, injection, states) first get every tensor's requires_grad
     equal to the grad mode, so each compiled module (torchtitan_ext/families/mela.py `compile_hmm`)
     keeps one graph per grad mode and state structure where dynamo, which guards on each
     input's requires_grad, made one per combination (11 graphs at the debug flavor's first
@@ -390,9 +391,10 @@ def uniform_inputs(*inputs):
     values and every other gradient are unchanged, and the leaf's own gradient, one small
     product of the input fusion or an addition, is dropped. Traced inside a larger compiled
     region (the whole training step), the modules are inlined into one graph with no guards of
-    their own, so the inputs pass unchanged (dynamo refuses requires_grad_ there)."""
-    if torch.compiler.is_compiling():
-        return inputs
+    their own, so the inputs pass unchanged (dynamo refuses requires_grad_ there); an eager
+    module gets them unchanged too (no copies on the uncompiled path)."""
+    if module._compiled_call_impl is None or torch.compiler.is_compiling():
+        return module(*inputs)
     grad = torch.is_grad_enabled()
 
     def uniform(t):
@@ -403,7 +405,7 @@ def uniform_inputs(*inputs):
             return t
         return t.detach().requires_grad_() if grad else t.detach()
 
-    return tree_map(uniform, inputs)
+    return module(*tree_map(uniform, inputs))
 
 
 class _StraightThrough(torch.autograd.Function):

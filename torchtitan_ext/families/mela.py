@@ -75,7 +75,7 @@ def flops_per_token(cfg: MelaConfig, seq_len: int) -> float:
 
 
 # Graphs the HMM's compiled modules may need (dynamo's default limit is 8): the recursion calls
-# them with grad on (the last cycle) and off (HRM's earlier cycles); `models.lms.mela.uniform_inputs`
+# them with grad on (the last cycle) and off (HRM's earlier cycles); `models.lms.mela.uniform_call`
 # gives every call of one grad mode the same requires_grad and strides, so a training step and
 # an evaluation compile 4 graphs (L- and H-module x grad on / off; 9 before it: tests/test_mela.py).
 # The margin is for other shapes in one process (a stream's partial chunks, another batch).
