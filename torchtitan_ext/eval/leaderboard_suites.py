@@ -229,6 +229,14 @@ HYPOTHESES = (
                "perplexity for it: it matches the paper's MAC inside and past the training length",
                (("titans_mac_inputs", "titans_mac", "ppl_inside", "match"),
                 ("titans_mac_inputs", "titans_mac", "ppl_past", "match"))),
+    # Added 2026-11-29T05:09Z (issue 48, goal 6), before any cell of the batch ran. Expected: within 5% of the
+    # Transformer++ inside the trained length (the memory adds a read to a windowed attention), ahead past it
+    # (the Transformer++ extrapolates RoPE; the Titans rows attend within their window at any length).
+    Hypothesis("The Titans memories that learned MQAR recall against window-only attention (LMM, MAG, MAL) pay no "
+               "perplexity for it: they match the Transformer++ inside the training length and beat it past it",
+               tuple((model, "transformer_full", metric, sense)
+                     for model in ("titans_lmm", "titans_mag", "titans_mal")
+                     for metric, sense in (("ppl_inside", "match"), ("ppl_past", "better")))),
     Hypothesis("Mela beats its memory-off twin and Transformer++ past the training length",
                (("mela", "mela_memory_off", "ppl_past", "better"), ("mela", "transformer_full", "ppl_past", "better"))),
     Hypothesis("MoNe and MemoryLlama beat the LoRA-only control and the frozen backbone beyond the window, "
