@@ -1,7 +1,7 @@
 """Where one training step's time goes on an H100, predicted on a CPU (torchtitan_ext/step_cost/).
 
     python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2]
-        [--mode eager|compiled|graphs] [--whole-sequence] [--fma-kernels] [--kernel-roofline] [--tf32]
+        [--mode eager|compiled|graphs | --compiled | --graphs] [--whole-sequence] [--fma-kernels] [--kernel-roofline] [--tf32]
         [--launch-floor-us US] [--sync-us 20]
         [--baseline transformer_400m|none] [--top 12]
 
@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--mode", choices=MODES, default="eager", help="compiled: as the family's training compiles "
                    "(crude fusion model), the rest eager; graphs: that, replayed as one CUDA graph")
+    for mode in MODES:  # issue 47's commands: --compiled, --graphs
+        if mode != "eager":
+            p.add_argument(f"--{mode}", dest="mode", action="store_const", const=mode, help=f"= --mode {mode}")
     p.add_argument("--whole-sequence", action="store_true", help="every neural memory on the whole-sequence kernels "
                    "(kernels/whole_sequence.py: one launch of batch x heads programs per layer and direction)")
     p.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (default: fp32 peak, "

@@ -181,6 +181,14 @@ def test_script_prints_the_tables(capsys):
     assert load_script("step_cost").main(["--config", "nope_400m"]) == 2
 
 
+def test_mode_shorthands_are_the_modes():
+    parse = load_script("step_cost").parser().parse_args
+    assert parse(["--config", "x"]).mode == "eager"
+    assert parse(["--config", "x", "--compiled", "--whole-sequence"]).mode == "compiled"
+    assert parse(["--config", "x", "--graphs"]).mode == "graphs"
+    assert parse(["--config", "x", "--mode", "graphs"]).mode == "graphs"
+
+
 def test_whole_sequence_kernels_are_costed_once_per_call():
     """`whole_sequence=True` (titans_mag: one memory call per layer): each memory layer runs one
     forward and one backward whole-sequence launch, booked as memory update with the FLOPs of
@@ -255,7 +263,7 @@ def test_compiled_mode_compiles_what_training_compiles():
 
 
 def test_script_prints_the_transformer_beside(capsys):
-    assert load_script("step_cost").main(["--config", "titans_mag_debug", "--seq-len", "128", "--mode", "graphs"]) == 0
+    assert load_script("step_cost").main(["--config", "titans_mag_debug", "--seq-len", "128", "--graphs"]) == 0
     out = capsys.readouterr().out
     assert "beside transformer debug (same mode and shape)" in out and "replayed as a CUDA graph" in out
     assert "compiled regions (6): layers.0.attention" in out
