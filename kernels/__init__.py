@@ -35,7 +35,6 @@ import math
 import warnings
 
 import torch
-from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from kernels.auto_table import AUTO_TABLE, DEVICE_DEFAULTS, MANY_MATRICES, MAX_COLS, MAX_ROWS
 from kernels.reference import MUON_COEFFICIENTS, memory_update_reference, newton_schulz_reference
@@ -72,6 +71,8 @@ def bounded_compile(fn, limit: int = COMPILED_GRAPH_LIMIT, backend: str = "induc
                                  isolate_recompiles=True)
     except TypeError:  # torch < 2.13: no per-function limit
         compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+    from torch._dynamo.exc import FailOnRecompileLimitHit  # here, not at import: dynamo costs ~3.5 s to import
+
     past_limit = False
 
     @functools.wraps(fn)

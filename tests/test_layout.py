@@ -179,3 +179,14 @@ def test_the_layering_check_sees_an_upward_import(tmp_path):
     (tmp_path / "models/layers/ffn.py").write_text("import torch\n")
     (tmp_path / "models/lms/mlp_lm.py").write_text("from models.memory.locas import attach_locas\n")
     assert layering_violations(import_graph(tmp_path)) == {}
+
+
+def test_importing_the_models_does_not_import_the_compiler():
+    """An eager user of the models (an evaluation, a conversion, a Hugging Face export) pays
+    for torch, not for dynamo's ~3.5 s import: kernels/ imports it where it compiles."""
+    import subprocess
+
+    code = ("import sys, models.lms.titans, models.lms.mela, models.grafts.memory_llama, kernels.whole_sequence; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
