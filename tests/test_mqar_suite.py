@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torchtitan_ext.eval import mqar, mqar_suite, mqar_verdicts
+from torchtitan_ext.training.cpu import flushing_denormals
 
 QUICK = mqar_suite.SETTINGS["quick"]
 
@@ -352,7 +353,9 @@ def test_batches_of_rows_add_up_and_a_row_not_run_is_listed_not_dropped(tmp_path
     """Two batches into one folder: the second report holds the first batch's row too; every other
     row of the suite is in "not_run" and in each table of mqar.md as "not run"."""
     quiet = dict(log=lambda line: None)
+    torch.set_flush_denormal(False)
     first = mqar_suite.run_suite(QUICK, tmp_path, rows=("transformer_full",), **quiet)
+    assert not flushing_denormals()  # flushed while it ran, the process's setting restored after
     assert list(first["rows"]) == ["transformer_full"] and list(first["not_run"]) == list(mqar_suite.ROWS[1:])
     assert first["not_run"]["mela"] == {"runs_done": 0, "runs_needed": len(QUICK.lrs) + len(QUICK.seeds) - 1}
     second = mqar_suite.run_suite(QUICK, tmp_path, rows=("mlp_lm",), **quiet)

@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torchtitan_ext.eval import mqar, mqar_report
 from torchtitan_ext.eval.mqar_verdicts import RESAMPLES, floor_tasks, reach, summaries, task_key, verdicts
 from torchtitan_ext.paths import write_json
+from torchtitan_ext.training.cpu import denormals_flushed
 
 DATE = "2026-11-28"
 FLOOR = 0.05  # pooled accuracy at or below this is "at floor" (chance: 2 / vocab)
@@ -529,14 +530,15 @@ def finished_row(out: Path, name: str, setting: dict) -> dict | None:
     return saved["row"] if saved.get("setting") == setting else None
 
 
+@denormals_flushed()
 def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print, jobs: int = 1) -> dict:
     """The rows `rows` (a finished row's DIR/rows/<row>.json is reused, a finished run's
     DIR/runs/<row>/*.json too; with `jobs` > 1 their runs train first in that many one-thread
     worker processes, `train_runs_in_parallel`), then DIR/mqar.json, DIR/mqar.md, and (with matplotlib)
     DIR/mqar_accuracy.png and DIR/mqar_flops.png. The report holds every row of ROWS finished
     under this setting in DIR, asked for or not (so batches of rows add up); each other row is
-    listed in the JSON's "not_run" with the runs done and needed (`runs_done`), never dropped."""
-    torch.set_flush_denormal(True)
+    listed in the JSON's "not_run" with the runs done and needed (`runs_done`), never dropped.
+    Subnormal floats are flushed while it runs (`denormals_flushed`), and the process's setting restored."""
     (out / "rows").mkdir(parents=True, exist_ok=True)
     results = {"suite": "mqar", "date": DATE, "setting": dataclasses.asdict(s), "floor": FLOOR,
                "resamples": RESAMPLES, "lr_grid": list(s.lrs),

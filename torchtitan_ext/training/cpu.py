@@ -9,6 +9,7 @@ needs them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -137,6 +138,24 @@ def _patch_gloo_gradient_reduction() -> None:
         return original(rs_group, ar_group, reduce_dtype, device_type, factor, True)
 
     collectives._get_gradient_divide_factors = sum_then_divide
+
+
+def flushing_denormals() -> bool:
+    """Whether this process flushes subnormal floats to zero (torch has no getter: a subnormal
+    float64 reads back as 0 when it does)."""
+    return torch.tensor([1e-323], dtype=torch.float64).item() == 0.0
+
+
+@contextlib.contextmanager
+def denormals_flushed():
+    """Flush subnormal floats inside the block (as `apply` does for a training process, and for
+    the same reason) and restore the process's setting after it; also a decorator."""
+    before = flushing_denormals()
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(before)
 
 
 def apply() -> bool:
