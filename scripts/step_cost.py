@@ -26,11 +26,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="e.g. titans_mac_400m, transformer_400m, mela_400m, mela:debug")
     p.add_argument("--seq-len", type=int, default=4096, help="fitted to the model as bench_models.py does")
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--mode", choices=MODES, default="eager", help="compiled: as the family's training compiles "
-                   "(crude fusion model), the rest eager; graphs: that, replayed as one CUDA graph")
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--mode", choices=MODES, default="eager", help="compiled: as the family's training compiles "
+                       "(crude fusion model), the rest eager; graphs: that, replayed as one CUDA graph")
     for mode in MODES:  # issue 47's commands: --compiled, --graphs
         if mode != "eager":
-            p.add_argument(f"--{mode}", dest="mode", action="store_const", const=mode, help=f"= --mode {mode}")
+            modes.add_argument(f"--{mode}", dest="mode", action="store_const", const=mode, help=f"= --mode {mode}")
     p.add_argument("--whole-sequence", action="store_true", help="every neural memory on the whole-sequence kernels "
                    "(kernels/whole_sequence.py: one launch of batch x heads programs per layer and direction)")
     p.add_argument("--tf32", action="store_true", help="fp32 matmuls on TF32 tensor cores (default: fp32 peak, "

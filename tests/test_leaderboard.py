@@ -27,7 +27,7 @@ from torchtitan_ext.eval.leaderboard_suites import BABILONG_TASKS, EXPLORATORY, 
 TEST_TIME = [row.name for row in SUITES["ci"].rows if row.kind == "test_time"]
 # one row of each kind: from scratch (a streaming memory, the window-only control), the backbone,
 # a graft, the graft read as a bounded stream (its runs shared), a test-time method; and GradMem's
-# two WRITEs (write_read), hypothesis 4's rows
+# two WRITEs (write_read), the GradMem hypothesis's rows
 TEST_ROWS = ["transformer_window", "mela", "backbone_frozen", "memoryllama_alma", "memoryllama_alma_bounded",
              "locas_glu", "gradmem", "gradmem_forward"]
 GRADMEM_CLAIM = "The GradMem gradient WRITE beats the forward WRITE"

@@ -353,9 +353,7 @@ def test_batches_of_rows_add_up_and_a_row_not_run_is_listed_not_dropped(tmp_path
     """Two batches into one folder: the second report holds the first batch's row too; every other
     row of the suite is in "not_run" and in each table of mqar.md as "not run"."""
     quiet = dict(log=lambda line: None)
-    torch.set_flush_denormal(False)
     first = mqar_suite.run_suite(QUICK, tmp_path, rows=("transformer_full",), **quiet)
-    assert not flushing_denormals()  # flushed while it ran, the process's setting restored after
     assert list(first["rows"]) == ["transformer_full"] and list(first["not_run"]) == list(mqar_suite.ROWS[1:])
     assert first["not_run"]["mela"] == {"runs_done": 0, "runs_needed": len(QUICK.lrs) + len(QUICK.seeds) - 1}
     second = mqar_suite.run_suite(QUICK, tmp_path, rows=("mlp_lm",), **quiet)
@@ -365,3 +363,27 @@ def test_batches_of_rows_add_up_and_a_row_not_run_is_listed_not_dropped(tmp_path
     for name in second["not_run"]:
         assert markdown.count(f"| {name} |") == 3 and f"| {name} | - | not run (runs done 0 of 3) |" in markdown, name
     assert {v["verdict"] for v in second["verdicts"] if v["hypothesis"] == "H6"} == {"not run"}
+
+
+def test_runs_train_with_subnormals_flushed_and_the_setting_is_restored(tmp_path):
+    """Every row trains flushed (the transformer rows' torchtitan build no longer flushes on its own)
+    and the caller's setting comes back after the suite."""
+    before = flushing_denormals()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormal floats")
+    seen = []
+    original = mqar.train
+
+    def watched(*args, **kwargs):
+        seen.append(flushing_denormals())
+        return original(*args, **kwargs)
+
+    try:
+        torch.set_flush_denormal(False)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mqar, "train", watched)
+            mqar_suite.run_suite(QUICK, tmp_path, rows=("transformer_full", "titans_lmm"), log=lambda line: None)
+        assert len(seen) == 2 * (len(QUICK.lrs) + len(QUICK.seeds) - 1) and all(seen), seen
+        assert not flushing_denormals()
+    finally:
+        torch.set_flush_denormal(before)

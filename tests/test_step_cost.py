@@ -187,6 +187,8 @@ def test_mode_shorthands_are_the_modes():
     assert parse(["--config", "x", "--compiled", "--whole-sequence"]).mode == "compiled"
     assert parse(["--config", "x", "--graphs"]).mode == "graphs"
     assert parse(["--config", "x", "--mode", "graphs"]).mode == "graphs"
+    with pytest.raises(SystemExit):  # one mode, not two that disagree
+        parse(["--config", "x", "--compiled", "--mode", "graphs"])
 
 
 def test_whole_sequence_kernels_are_costed_once_per_call():

@@ -230,8 +230,9 @@ HYPOTHESES = (
                (("titans_mac_inputs", "titans_mac", "ppl_inside", "match"),
                 ("titans_mac_inputs", "titans_mac", "ppl_past", "match"))),
     # Added 2026-11-29T05:09Z (issue 48, goal 6), before any cell of the batch ran. Expected: within 5% of the
-    # Transformer++ inside the trained length (the memory adds a read to a windowed attention), ahead past it
-    # (the Transformer++ extrapolates RoPE; the Titans rows attend within their window at any length).
+    # Transformer++ inside the trained length (MAG and MAL add the memory to a windowed attention; LMM has the
+    # memory alone), ahead past it (the Transformer++ extrapolates RoPE; the Titans rows read a window or a state
+    # of the same size at any length).
     Hypothesis("The Titans memories that learned MQAR recall against window-only attention (LMM, MAG, MAL) pay no "
                "perplexity for it: they match the Transformer++ inside the training length and beat it past it",
                tuple((model, "transformer_full", metric, sense)
@@ -250,7 +251,7 @@ HYPOTHESES = (
     Hypothesis("Locas-GLU matches TempLoRA at lower cost",
                (("locas_glu", "templora", "ppl_past", "match"), ("locas_glu", "templora", "eval_cost", "better"))),
     # Added before the second graft run (docs/leaderboard.md): not a paper's claim but the
-    # condition under which hypothesis 3's nulls are about the memories, not the fine-tuning.
+    # condition under which the MoNe / MemoryLlama hypothesis's nulls are about the memories, not the fine-tuning.
     Hypothesis("Recipe check: the grafts' fine-tuning keeps the backbone's in-window recall "
                "(LoRA-only matches the frozen backbone inside the window)",
                (("lora_only", "backbone_frozen", "recall_inside", "match"),)),

@@ -108,7 +108,7 @@ def build_model(name: str, **fields) -> torch.nn.Module:
         from torchtitan_ext.families.transformer import llama3_config
         from torchtitan_ext.training import cpu
 
-        cpu.apply()
+        cpu.apply(flush_denormals=False)  # its device patches; train_run flushes subnormals for every row alike
         model = llama3_config(config, "cpu").build()
         model.init_states()
     else:

@@ -320,6 +320,7 @@ def validation_accuracies(model: torch.nn.Module, s: Setting, seed: int) -> dict
     return scores
 
 
+@denormals_flushed()
 def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row,
               snapshot: Path | None = None) -> tuple[torch.nn.Module, dict]:
     """One row trained at one seed and rate (to its plateau when `s.cap_factor`, else `s.steps`
@@ -330,7 +331,8 @@ def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row,
     run went non-finite: it ranks last in the sweep) and "plateau_accuracy" the same (None when
     non-finite); "nonfinite_step", "last_loss", "train_tokens", "train_seconds" (summed over
     the parts of a resumed run). `snapshot`: the file that keeps the run resumable after each
-    evaluation (mqar.Snapshot, keyed by the row, setting, rate and seed)."""
+    evaluation (mqar.Snapshot, keyed by the row, setting, rate and seed). Every row trains with
+    subnormal floats flushed (`denormals_flushed`; the caller's setting restored after)."""
     torch.manual_seed(seed)
     model = build(name, s)
     tasks = tuple(mqar.Task(seq_len=s.train_len, num_kv=kv, vocab=s.vocab) for kv in s.train_kv)
@@ -538,7 +540,7 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print, jo
     DIR/mqar_accuracy.png and DIR/mqar_flops.png. The report holds every row of ROWS finished
     under this setting in DIR, asked for or not (so batches of rows add up); each other row is
     listed in the JSON's "not_run" with the runs done and needed (`runs_done`), never dropped.
-    Subnormal floats are flushed while it runs (`denormals_flushed`), and the process's setting restored."""
+    Subnormal floats are flushed while it runs (`denormals_flushed`), and the caller's setting restored."""
     (out / "rows").mkdir(parents=True, exist_ok=True)
     results = {"suite": "mqar", "date": DATE, "setting": dataclasses.asdict(s), "floor": FLOOR,
                "resamples": RESAMPLES, "lr_grid": list(s.lrs),

@@ -141,15 +141,16 @@ def _patch_gloo_gradient_reduction() -> None:
 
 
 def flushing_denormals() -> bool:
-    """Whether this process flushes subnormal floats to zero (torch has no getter: a subnormal
-    float64 reads back as 0 when it does)."""
+    """Whether the calling thread flushes subnormal floats to zero, the setting
+    `torch.set_flush_denormal` changes (torch has no getter: with it on, a subnormal float64
+    compares equal to 0)."""
     return torch.tensor([1e-323], dtype=torch.float64).item() == 0.0
 
 
 @contextlib.contextmanager
 def denormals_flushed():
     """Flush subnormal floats inside the block (as `apply` does for a training process, and for
-    the same reason) and restore the process's setting after it; also a decorator."""
+    the same reason) and restore the calling thread's setting after it; also a decorator."""
     before = flushing_denormals()
     torch.set_flush_denormal(True)
     try:
@@ -158,13 +159,15 @@ def denormals_flushed():
         torch.set_flush_denormal(before)
 
 
-def apply() -> bool:
-    """Apply the CPU support if there is no accelerator. Returns whether it applied."""
+def apply(flush_denormals: bool = True) -> bool:
+    """Apply the CPU support if there is no accelerator. Returns whether it applied.
+    `flush_denormals` False leaves the subnormal setting to the caller (`denormals_flushed`)."""
     if has_accelerator():
         return False
     _patch_device_detection()
     _patch_gloo_gradient_reduction()
     # Subnormal floats in the backward of the test-time memories' inner loop made CPU
     # steps ~30-100x slower (measured: titans_lmm_debug fwd+bwd 10.1 s -> 0.27 s).
-    torch.set_flush_denormal(True)
+    if flush_denormals:
+        torch.set_flush_denormal(True)
     return True
