@@ -428,6 +428,7 @@ def state_bytes_of(name: str, s: Setting, model: torch.nn.Module) -> int:
     return 2 * s.layers * span * kv_heads * (s.width // s.heads) * 4
 
 
+@denormals_flushed()
 def trained(name: str, s: Setting, seed: int, lr: float, folder: Path, log=print) -> dict:
     """One run's record (`train_run`) with its test items ("tasks"), read from
     folder/lr<lr>_seed<seed>.json when that file holds a run of this setting (its seed lists and lr
@@ -435,7 +436,8 @@ def trained(name: str, s: Setting, seed: int, lr: float, folder: Path, log=print
     ends, replacing it atomically (`paths.write_json`: a run killed while writing leaves no half
     file). Every other field is the key: a run made under another plateau window, cap or shape is
     trained again, never reused. A run in progress keeps folder/lr<lr>_seed<seed>.snapshot.pt after
-    each evaluation, so a killed one resumes there (`train_run`); the file goes once the run's is written."""
+    each evaluation, so a killed one resumes there (`train_run`); the file goes once the run's is written.
+    Training and the test items run with subnormal floats flushed (`denormals_flushed`)."""
     path = folder / f"lr{lr:g}_seed{seed}.json"
     setting = run_key(s)
     if path.is_file() and json.loads(path.read_text())["setting"] == setting:
@@ -470,9 +472,8 @@ def chosen_run(sweep: list[dict]) -> dict:
 
 
 def _one_thread_worker() -> None:
-    """A `train_runs_in_parallel` worker's torch: one thread, denormals flushed as `run_suite` does."""
+    """A `train_runs_in_parallel` worker's torch: one thread (`trained` flushes subnormals, as in this process)."""
     torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
 
 
 def train_runs_in_parallel(s: Setting, out: Path, rows: tuple[str, ...], jobs: int, log=print) -> None:
@@ -532,7 +533,6 @@ def finished_row(out: Path, name: str, setting: dict) -> dict | None:
     return saved["row"] if saved.get("setting") == setting else None
 
 
-@denormals_flushed()
 def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print, jobs: int = 1) -> dict:
     """The rows `rows` (a finished row's DIR/rows/<row>.json is reused, a finished run's
     DIR/runs/<row>/*.json too; with `jobs` > 1 their runs train first in that many one-thread
@@ -540,7 +540,8 @@ def run_suite(s: Setting, out: Path, rows: tuple[str, ...] = ROWS, log=print, jo
     DIR/mqar_accuracy.png and DIR/mqar_flops.png. The report holds every row of ROWS finished
     under this setting in DIR, asked for or not (so batches of rows add up); each other row is
     listed in the JSON's "not_run" with the runs done and needed (`runs_done`), never dropped.
-    Subnormal floats are flushed while it runs (`denormals_flushed`), and the caller's setting restored."""
+    Each run trains and answers its test items with subnormal floats flushed (`trained`), the caller's
+    setting restored after."""
     (out / "rows").mkdir(parents=True, exist_ok=True)
     results = {"suite": "mqar", "date": DATE, "setting": dataclasses.asdict(s), "floor": FLOOR,
                "resamples": RESAMPLES, "lr_grid": list(s.lrs),
