@@ -127,6 +127,32 @@ def test_embedded_corpus_has_train_and_validation_documents():
     assert sum(map(len, train["text"])) > 10**6
 
 
+
+def test_the_embedded_corpus_is_read_from_its_cache_file_and_rebuilt_when_the_file_is_bad(tmp_path, monkeypatch):
+    """The first call extracts and writes the cache file; a later process reads the file
+    without extracting; a garbled file is extracted again and rewritten. The real documents
+    from the cache equal a fresh extraction."""
+    from torchtitan_ext.data import embedded_corpus
+
+    real = embedded_corpus.embedded_documents()
+    assert real == tuple(embedded_corpus._extract_documents())
+    extracted = []
+    fake = ["alpha " * 50, "beta " * 50]
+    monkeypatch.setattr(embedded_corpus, "_extract_documents", lambda: extracted.append(1) or list(fake))
+    monkeypatch.setenv("MNLM_CACHE", str(tmp_path))
+    path = embedded_corpus.cached_corpus_path()
+    assert path.is_relative_to(tmp_path)
+    for _ in range(2):  # a fresh process each time: the in-process cache cleared
+        embedded_corpus.embedded_documents.cache_clear()
+        assert embedded_corpus.embedded_documents() == tuple(fake) and len(extracted) == 1
+    assert json.loads(path.read_text()) == fake
+    path.write_text('["half a fi')
+    embedded_corpus.embedded_documents.cache_clear()
+    assert embedded_corpus.embedded_documents() == tuple(fake) and len(extracted) == 2
+    assert json.loads(path.read_text()) == fake
+    embedded_corpus.embedded_documents.cache_clear()
+
+
 FINEWEB_SCHEMA = pa.schema([
     ("text", pa.string()), ("id", pa.string()), ("dump", pa.string()), ("url", pa.string()),
     ("file_path", pa.string()), ("language", pa.string()), ("language_score", pa.float64()),

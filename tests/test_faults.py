@@ -28,9 +28,11 @@ from training_runs import CONFIGS
 
 pytestmark = pytest.mark.slow
 
+STEPS, INTERVAL = 12, 6  # checkpoints at steps 6 and 12
 COMMON = CONFIGS["transformer"] + ["--validator.no-enable", "--debug.seed", "0", "--debug.deterministic",
-                                   "--lr_scheduler.total_steps", "20", "--checkpoint.interval", "10",
-                                   "--training.global_batch_size", "4", "--training.steps", "20"]
+                                   "--lr_scheduler.total_steps", str(STEPS), "--checkpoint.interval", str(INTERVAL),
+                                   "--training.global_batch_size", "4", "--training.steps", str(STEPS)]
+LAST, PREVIOUS = f"step-{STEPS}", f"step-{INTERVAL}"
 NAN_COMMON = ["--module", "fault_configs", "--validator.no-enable", "--debug.seed", "0",
               "--training.global_batch_size", "4"]
 
@@ -57,16 +59,16 @@ DAMAGES = {"truncated": truncate_shard, "missing": delete_shard, "metadata": gar
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tokenizer_dir):
-    """An uninterrupted 2-process run of 20 steps, checkpoints at steps 10 and 20."""
+    """An uninterrupted 2-process run of STEPS steps, checkpoints at steps INTERVAL and STEPS."""
     folder = tmp_path_factory.mktemp("straight")
     run = train(COMMON + ["--dump_folder", str(folder)], nproc=2)
-    assert run.returncode == 0 and sorted(run.losses) == list(range(1, 21)), run
+    assert run.returncode == 0 and sorted(run.losses) == list(range(1, STEPS + 1)), run
     return folder, run.losses
 
 
 def damaged_copy(straight_folder: Path, target: Path, damage) -> str:
     shutil.copytree(straight_folder, target)
-    return damage(target / "checkpoint" / "step-20")
+    return damage(target / "checkpoint" / LAST)
 
 
 def transformer_state() -> dict:
@@ -81,10 +83,10 @@ def test_a_damaged_step_is_skipped_for_the_newest_whole_one_and_refused_by_conve
 
     expected = damaged_copy(straight[0], tmp_path / "run", DAMAGES[case])
     step, damaged = resume_step(tmp_path / "run" / "checkpoint", transformer_state())
-    assert step == 10 and len(damaged) == 1 and damaged[0].startswith("step-20: ") and expected in damaged[0], damaged
+    assert step == INTERVAL and len(damaged) == 1 and damaged[0].startswith(f"{LAST}: ") and expected in damaged[0], damaged
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_to_hf.py"), *CONFIGS["transformer"],
-                           "--checkpoint", str(tmp_path / "run" / "checkpoint" / "step-20"), "--out", str(out)],
+                           "--checkpoint", str(tmp_path / "run" / "checkpoint" / LAST), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
@@ -97,7 +99,7 @@ def test_another_models_shards_are_not_a_step_to_resume_from(straight):
     mlp_state = build_model("train_configs.mlp_lm", "mlp_lm_debug", "meta")[0].state_dict()
     step, damaged = resume_step(straight[0] / "checkpoint", mlp_state)
     assert step is None and len(damaged) == 2 and all("does not hold a model of this config" in d for d in damaged)
-    assert resume_step(straight[0] / "checkpoint", transformer_state()) == (20, [])
+    assert resume_step(straight[0] / "checkpoint", transformer_state()) == (STEPS, [])
 
 
 def test_two_processes_resume_from_the_previous_step_and_match_the_uninterrupted_run(straight, tmp_path):
@@ -105,20 +107,20 @@ def test_two_processes_resume_from_the_previous_step_and_match_the_uninterrupted
     resumed = train(COMMON + ["--dump_folder", str(tmp_path / "run")], nproc=2)
     assert resumed.returncode == 0, resumed
     # rank 0's lines, as torchrun tees them ("[default0]:" prefix)
-    warnings = [line for line in resumed.output.splitlines() if "warning: checkpoint step-20" in line]
-    assert len(warnings) == 1 and reason in warnings[0] and warnings[0].endswith("resuming from step-10"), resumed
-    assert sorted(resumed.losses) == list(range(11, 21))
-    assert resumed.losses == {s: straight[1][s] for s in range(11, 21)}
+    warnings = [line for line in resumed.output.splitlines() if f"warning: checkpoint {LAST}" in line]
+    assert len(warnings) == 1 and reason in warnings[0] and warnings[0].endswith(f"resuming from {PREVIOUS}"), resumed
+    assert sorted(resumed.losses) == list(range(INTERVAL + 1, STEPS + 1))
+    assert resumed.losses == {s: straight[1][s] for s in range(INTERVAL + 1, STEPS + 1)}
 
 
 def test_with_no_whole_step_the_run_stops_with_one_line_and_exit_2(straight, tmp_path):
     damaged_copy(straight[0], tmp_path / "run", garble_metadata)
-    truncate_shard(tmp_path / "run" / "checkpoint" / "step-10")
+    truncate_shard(tmp_path / "run" / "checkpoint" / PREVIOUS)
     before = {p: p.read_bytes() for p in (tmp_path / "run" / "checkpoint").rglob("*") if p.is_file()}
     run = train(COMMON + ["--dump_folder", str(tmp_path / "run")], nproc=2, preflight=True)
     lines = [line for line in run.output.splitlines() if line.strip()]
     assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: no whole checkpoint to resume"), run
-    assert "step-20" in lines[0] and "step-10" in lines[0]
+    assert LAST in lines[0] and PREVIOUS in lines[0]
     # the damaged files stay as found, for the user to inspect
     assert {p: p.read_bytes() for p in (tmp_path / "run" / "checkpoint").rglob("*") if p.is_file()} == before
 
@@ -154,10 +156,10 @@ def test_sigterm_checkpoints_the_last_step_exits_75_and_the_rerun_continues_bit_
     output += proc.stdout.read()
     assert proc.wait(timeout=300) == 75, output[-3000:]
     stopped = int(output.split("preempted (SIGTERM) after step ")[1].split(",")[0])
-    assert 3 <= stopped < 20 and (folder / "checkpoint" / f"step-{stopped}" / ".metadata").exists(), output[-3000:]
+    assert 3 <= stopped < STEPS and (folder / "checkpoint" / f"step-{stopped}" / ".metadata").exists(), output[-3000:]
     resumed = train(COMMON + ["--dump_folder", str(folder)], nproc=2)
-    assert resumed.returncode == 0 and sorted(resumed.losses) == list(range(stopped + 1, 21)), resumed
-    assert resumed.losses == {s: straight[1][s] for s in range(stopped + 1, 21)}
+    assert resumed.returncode == 0 and sorted(resumed.losses) == list(range(stopped + 1, STEPS + 1)), resumed
+    assert resumed.losses == {s: straight[1][s] for s in range(stopped + 1, STEPS + 1)}
 
 
 def test_a_disk_that_fills_during_a_save_stops_with_one_line_and_the_rerun_resumes(straight, tmp_path):
@@ -172,13 +174,13 @@ def test_a_disk_that_fills_during_a_save_stops_with_one_line_and_the_rerun_resum
     run = train(filling + ["--dump_folder", str(folder)], nproc=2)
     errors = [line.split("error: ", 1)[1] for line in run.output.splitlines() if "error: disk full" in line]
     assert run.returncode == 4 and len(errors) == 1, run
-    size = sum(f.stat().st_size for f in (folder / "checkpoint" / "step-10").iterdir())
+    size = sum(f.stat().st_size for f in (folder / "checkpoint" / PREVIOUS).iterdir())
     assert errors[0] == (f"disk full while writing a checkpoint under '{folder / 'checkpoint'}': a checkpoint takes "
-                         f"{size:,} bytes here (step-10); free that much and rerun the same command to resume from step-10")
-    assert not (folder / "checkpoint" / "step-20" / ".metadata").exists()
-    assert resume_step(folder / "checkpoint", transformer_state()) == (10, [])
+                         f"{size:,} bytes here ({PREVIOUS}); free that much and rerun the same command to resume from {PREVIOUS}")
+    assert not (folder / "checkpoint" / LAST / ".metadata").exists()
+    assert resume_step(folder / "checkpoint", transformer_state()) == (INTERVAL, [])
     resumed = train(COMMON + ["--dump_folder", str(folder)], nproc=2)
-    assert resumed.returncode == 0 and resumed.losses == {s: straight[1][s] for s in range(11, 21)}, resumed
+    assert resumed.returncode == 0 and resumed.losses == {s: straight[1][s] for s in range(INTERVAL + 1, STEPS + 1)}, resumed
 
 
 def checkpoint_state(step: Path, tmp_path: Path) -> dict:

@@ -294,8 +294,17 @@ def test_exact_match_scores_the_models_own_greedy_answers_from_the_memory():
     assert exact_match(model, tokenizer, samples, steps=3) == expected
 
 
-PREFLIGHT = [sys.executable, "-m", "torchtitan_ext.training.preflight", "--module", "train_configs.gradmem", "--config",
-             "gradmem_kv_debug"]
+PREFLIGHT = ["--module", "train_configs.gradmem", "--config", "gradmem_kv_debug"]
+
+
+def passes_preflight(argv: list[str]) -> None:
+    """The launcher's checks (`preflight.main`) accept `argv`, in this process."""
+    import logging
+
+    from torchtitan_ext.training import preflight
+
+    preflight.main(argv)  # exits 2 on a refusal
+    logging.disable(logging.NOTSET)  # preflight.main silences torchtitan's warnings for the process
 
 
 @pytest.mark.parametrize("args, message", [
@@ -305,10 +314,11 @@ PREFLIGHT = [sys.executable, "-m", "torchtitan_ext.training.preflight", "--modul
     (["--training.seq_len", "30"], "8 key-value pairs takes"),
     (["--training.seq_len", "1020"], "exceeds the model's max_seq_len"),
 ])
-def test_options_the_write_loop_cannot_take_are_refused(args, message):
-    proc = subprocess.run(PREFLIGHT + args, cwd=REPO, capture_output=True, text=True, timeout=300)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+def test_options_the_write_loop_cannot_take_are_refused(args, message, capsys):
+    """The launcher's checks, run in this process (test_preflight.py runs them as a command)."""
+    from test_preflight import environment_error
+
+    assert message in environment_error(capsys, PREFLIGHT + args)
 
 
 @pytest.mark.slow
@@ -393,8 +403,7 @@ def test_the_paper_configs_take_table_1s_largest_rows(config):
     from torchtitan_ext.families.gradmem import model_config
 
     stage = ["--dataloader.pairs", "96", "--validator.dataloader.pairs", "96", "--training.seq_len", str(kv_row(96))]
-    proc = subprocess.run(PREFLIGHT[:-1] + [config] + stage, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    passes_preflight(PREFLIGHT[:-1] + [config] + stage)
     write = "forward" if config.endswith("forward") else "gradient"
     context, read = 7 * 96 + 2, 7  # BOS + 96 pairs + "|"; "?!kk:" + the 2-character value
     with torch.device("meta"):
@@ -450,9 +459,7 @@ def test_the_transformer_baseline_reads_the_context_with_full_attention_and_trai
         moved = (model(changed, positions[:1]) - model(tokens[:1], positions[:1]))[0, answer].abs().max()
     assert moved > 1e-3
     stage = ["--dataloader.pairs", "96", "--validator.dataloader.pairs", "96", "--training.seq_len", str(kv_row(96))]
-    proc = subprocess.run(PREFLIGHT[:-1] + ["gradmem_kv_transformer"] + stage, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    passes_preflight(PREFLIGHT[:-1] + ["gradmem_kv_transformer"] + stage)
 
 
 WRITE_AND_READ_IN_PLAIN_TRANSFORMERS = """

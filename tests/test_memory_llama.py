@@ -457,7 +457,7 @@ def test_the_compiled_block_equals_eager():
 def test_one_and_two_processes_and_full_ac_from_one_seed_agree_and_keep_the_backbone(tmp_path):
     from graft_checks import assert_seeded_runs_agree
 
-    assert_seeded_runs_agree("memoryllama_alma_debug", tmp_path, ["--training.steps", "10", "--validator.no-enable",
+    assert_seeded_runs_agree("memoryllama_alma_debug", tmp_path, ["--training.steps", "4", "--validator.no-enable",
                                                            "--debug.seed", "0", "--training.global_batch_size", "4"])
 
 

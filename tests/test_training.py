@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from conftest import train
-from training_runs import CONFIGS, relative_gap, seeded_folder, SHORT
+from training_runs import CONFIGS, relative_gap, seeded_folder, SHORT, SHORT_STEPS
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,11 @@ def test_one_and_two_processes_give_the_same_losses(family, tokenizer_dir, tmp_p
     # differences: 1.04e-3 at most since the memory's stacked-state rewrite (equal in float64).
     tolerance = 2e-3 if family == "mela" else 1e-3
     assert relative_gap(single.losses, double.losses) < tolerance, (single.losses, double.losses)
-    assert single.losses[10] < single.losses[1] - 1.0  # and it learns
+    # and it learns: the first 6 steps lower every family's loss by 0.82 (backbone) to 2.05 (mlp_lm)
+    assert single.losses[SHORT_STEPS] < single.losses[1] - 0.5
     if family in MEMORY_DIAGNOSTICS:  # the memory diagnostics reach the console and wandb
         summaries = [line for line in single.output.splitlines() if " - memory: " in line]
-        assert len(summaries) == 10 and all(f"{name}: " in summaries[-1] for name in MEMORY_DIAGNOSTICS[family])
+        assert len(summaries) == SHORT_STEPS and all(f"{name}: " in summaries[-1] for name in MEMORY_DIAGNOSTICS[family])
         logged = b"".join(p.read_bytes() for p in one.rglob("*.wandb"))
         assert all(f"{name}".encode() in logged for name in MEMORY_DIAGNOSTICS[family])
 

@@ -24,11 +24,12 @@ def default_tokenizer_dir() -> Path:
 
 
 def write_json(path: Path, data, indent: int | None = 1) -> None:
-    """Write `data` to `path` atomically: a temporary `.partial` sibling renamed over it, so a run
-    killed mid-write leaves the old file (or none), never half a file."""
+    """Write `data` to `path` atomically: a temporary `.partial` sibling (named per process, so
+    two processes writing one path never share it) renamed over it, so a run killed mid-write
+    leaves the old file (or none), never half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
+    partial = path.with_suffix(f".{os.getpid()}.partial")
     partial.write_text(json.dumps(data, indent=indent))
     partial.replace(path)
 
