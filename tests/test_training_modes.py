@@ -1,5 +1,5 @@
 """End-to-end training through scripts/train.sh: resume, compile and activation-checkpointing
-modes, a non-finite loss. Slow: about 10 minutes."""
+modes, a non-finite loss. Slow: about 8 minutes."""
 
 from __future__ import annotations
 
