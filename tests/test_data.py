@@ -127,7 +127,6 @@ def test_embedded_corpus_has_train_and_validation_documents():
     assert sum(map(len, train["text"])) > 10**6
 
 
-
 def test_the_embedded_corpus_is_read_from_its_cache_file_and_rebuilt_when_the_file_is_bad(tmp_path, monkeypatch):
     """The first call extracts and writes the cache file; a later process reads the file
     without extracting; a garbled file is extracted again and rewritten. The real documents

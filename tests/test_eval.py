@@ -119,7 +119,6 @@ def test_bad_input_one_line_exit_2_nothing_written(case, message, checkpoints, l
     lines = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and message in lines[-1], lines
     assert not (tmp_path / "out").exists()
-    assert not (tmp_path / "out").exists()
 
 
 def test_a_hugging_face_export_evaluates_exactly_as_its_dcp_checkpoint(checkpoints, long_docs, tmp_path):
