@@ -46,6 +46,14 @@ def tokenizer_dir() -> Path:
     return default_tokenizer_dir()
 
 
+@pytest.fixture(scope="session")
+def seed_cache(tmp_path_factory) -> Path:
+    """A folder the session's xdist workers share (the parent of each worker's temporary root;
+    the root itself without xdist), holding one seed checkpoint per family (tests/training_runs.py `seeded_folder`)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 class Run:
     def __init__(self, proc: subprocess.CompletedProcess):
         self.returncode = proc.returncode

@@ -48,8 +48,8 @@ MODE_ARGS = {"mela": ["--optimizer.param-groups.0.optimizer-kwargs.lr", "1e-3"]}
 
 
 @pytest.mark.parametrize("family", sorted(AC_MODES))
-def test_compile_and_activation_checkpointing_modes_agree(family, tokenizer_dir, tmp_path):
-    seeded_folder(family, tmp_path / "seed")
+def test_compile_and_activation_checkpointing_modes_agree(family, tokenizer_dir, seed_cache, tmp_path):
+    seeded_folder(family, tmp_path / "seed", seed_cache)
     runs = {}
     for name, extra in AC_MODES[family].items():
         folder = tmp_path / name

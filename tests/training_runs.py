@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import shutil
+from pathlib import Path
+
 from conftest import train
 
 CONFIGS = {
@@ -16,10 +20,20 @@ SHORT_STEPS = 6  # a launch costs ~15 s before and after its steps of ~1 s: a fe
 SHORT = ["--training.steps", str(SHORT_STEPS), "--validator.no-enable", "--debug.seed", "0"]
 
 
-def seeded_folder(family: str, folder) -> None:
-    """A dump folder holding an unsharded seed checkpoint (step-0) both runs start from."""
-    run = train((CONFIGS | GRAFTS)[family] + SHORT + ["--dump_folder", str(folder), "--checkpoint.create-seed-checkpoint"])
-    assert run.returncode == 0 and (folder / "checkpoint" / "step-0" / ".metadata").exists(), run
+def seeded_folder(family: str, folder: Path, cache: Path) -> None:
+    """A dump folder holding an unsharded seed checkpoint (step-0) both runs start from.
+
+    The seed is torchtitan's own (`--checkpoint.create-seed-checkpoint`, one process), launched
+    once per family and session into `cache` (`seed_cache`) under a lock, then copied: its
+    weights depend only on the config and `--debug.seed`, which every caller shares."""
+    seed = cache / f"seed_{family}"
+    with open(cache / f"seed_{family}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (seed / "checkpoint" / "step-0" / ".metadata").exists():
+            shutil.rmtree(seed, ignore_errors=True)
+            run = train((CONFIGS | GRAFTS)[family] + SHORT + ["--dump_folder", str(seed), "--checkpoint.create-seed-checkpoint"])
+            assert run.returncode == 0 and (seed / "checkpoint" / "step-0" / ".metadata").exists(), run
+    shutil.copytree(seed / "checkpoint" / "step-0", folder / "checkpoint" / "step-0")
 
 
 def relative_gap(a: dict, b: dict) -> float:
