@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import load_script, REPO
 from torchtitan_ext.eval import leaderboard_cells
 from torchtitan_ext.eval.leaderboard import combine, verdict
 from torchtitan_ext.eval.leaderboard_launch import built_model, non_embedding_params, trainable_params
@@ -212,16 +212,21 @@ def test_gradmem_perplexity_reads_each_segment_after_the_memory_of_every_token_b
     (["--suite", "ci", "--rows", "mela,titans_xyz"], "unknown row(s) ['titans_xyz']"),
     (["--suite", "paper"], "pass --dry-run to preflight them"),  # not the debug rows in one process
 ])
-def test_bad_input_is_one_line_and_exit_2_writing_nothing(tmp_path, args, message):
-    run = leaderboard(*args, "--out", str(tmp_path / "out"))
-    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and message in run.stderr, run.stderr
+def test_bad_input_is_one_line_and_exit_2_writing_nothing(tmp_path, args, message, capsys):
+    """In process (the script's `main`); the script's own exit code through Python is the ci fixture's."""
+    with pytest.raises(SystemExit) as exit_:
+        load_script("leaderboard").main([*args, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().count("\n") == 0 and message in err, err
     assert not (tmp_path / "out").exists()
 
 
-def test_a_folder_holding_another_suite_is_refused(tmp_path):
+def test_a_folder_holding_another_suite_is_refused(tmp_path, capsys):
     (tmp_path / "suite.json").write_text(json.dumps({"suite": "cpu"}))
-    run = leaderboard("--suite", "ci", "--out", str(tmp_path))
-    assert run.returncode == 2 and run.stderr.startswith("error:") and "holds suite 'cpu'" in run.stderr
+    with pytest.raises(SystemExit) as exit_:
+        load_script("leaderboard").main(["--suite", "ci", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error:") and "holds suite 'cpu'" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["suite.json"]
 
 
@@ -236,9 +241,9 @@ def test_the_paper_suite_passes_preflight_at_8_32_and_128_ranks(tokenizer_dir):
         assert f"NNODES={nodes} NPROC_PER_NODE=8 MASTER_ADDR=" in run.stdout
 
 
-def test_the_cpu_suites_estimate_counts_its_cells():
-    run = leaderboard("--suite", "cpu", "--estimate")
-    assert run.returncode == 0 and f"= {len(SUITES['cpu'].rows) * 3} cells" in run.stdout, run.stderr[-2000:]
+def test_the_cpu_suites_estimate_counts_its_cells(capsys):
+    load_script("leaderboard").main(["--suite", "cpu", "--estimate"])
+    assert f"= {len(SUITES['cpu'].rows) * 3} cells" in capsys.readouterr().out
 
 
 def test_the_cpu_suites_scratch_rows_have_equal_non_embedding_parameters_within_5_percent():
@@ -249,8 +254,6 @@ def test_the_cpu_suites_scratch_rows_have_equal_non_embedding_parameters_within_
 
 def test_a_relative_out_folder_reaches_the_cells_absolute(monkeypatch, tmp_path):
     """The grafts' initial load from out/backbone/hf must be absolute for torchtitan."""
-    from conftest import load_script
-
     script = load_script("leaderboard")
     seen = []
     monkeypatch.setattr(script.leaderboard_cells, "run_cells",
@@ -422,7 +425,6 @@ def test_verdicts_from_json(mqar_quick):
 
 
 def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick, capsys):
-    from conftest import load_script
     from torchtitan_ext.eval import mqar_suite, mqar_verdicts
 
     out, run = mqar_quick
@@ -477,8 +479,6 @@ def test_the_mqar_suite_writes_every_item_per_row_seed_and_task(mqar_quick, caps
     (["--suite", "mqar", "--steps", "0"], "--steps must be at least 1"),
 ])
 def test_mqar_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys):
-    from conftest import load_script
-
     with pytest.raises(SystemExit) as exit_:
         load_script("leaderboard").main([*args, *([] if "--out DIR" in message else ["--out", str(tmp_path / "out")])])
     err = capsys.readouterr().err

@@ -162,10 +162,14 @@ def test_the_stress_runner_resumes_and_summarises(tmp_path):
                                            (["--memory", "max_update=0"], "needs the form FIELD=NUMBER"),
                                            (["--lrs", "fast"], "not a comma-separated list"),
                                            (["--summary"], "does not exist")])
-def test_the_stress_runner_refuses_bad_input_in_one_line(tmp_path, args, message):
-    result = subprocess.run([sys.executable, "scripts/titans_stress.py", "--out", str(tmp_path / "none.jsonl"), *args],
-                            capture_output=True, text=True)
-    assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+def test_the_stress_runner_refuses_bad_input_in_one_line(tmp_path, args, message, capsys):
+    """In process (the script's `main`); its run as a script is the resume test's above."""
+    from conftest import load_script
+
+    with pytest.raises(SystemExit) as exit_:
+        load_script("titans_stress").main(["--out", str(tmp_path / "none.jsonl"), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_the_log_line_names_the_layers_that_clipped_or_whose_norm_jumped():
