@@ -311,8 +311,8 @@ def unwritten_logits(model: DecoderLM, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_a_finetune_from_hugging_face_keeps_the_backbone_uses_the_memory_and_exports(tmp_path):
-    """Through scripts/train.sh from a random tiny Qwen3 folder: 20 steps lower the loss;
-    every backbone tensor of the step-20 checkpoint is the Hugging Face file's bit for bit;
+    """Through scripts/train.sh from a random tiny Qwen3 folder: 10 steps lower the loss;
+    every backbone tensor of the step-10 checkpoint is the Hugging Face file's bit for bit;
     the optimizer holds only graft tensors; a memory never written changes the trained
     model's predictions after the first segment (never inside it); the remote-code export
     reloads without the project with the same logits."""
@@ -321,14 +321,14 @@ def test_a_finetune_from_hugging_face_keeps_the_backbone_uses_the_memory_and_exp
     from test_backbone import qwen3_debug_checkpoint
 
     qwen3_debug_checkpoint(tmp_path / "hf")
-    run = train(MONE + FROM_HF + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "20",
-                                  "--checkpoint.interval", "20", "--dump_folder", str(tmp_path / "run")])
+    run = train(MONE + FROM_HF + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "10",
+                                  "--checkpoint.interval", "10", "--dump_folder", str(tmp_path / "run")])
     assert run.returncode == 0, run
-    assert run.losses[20] < run.losses[1] - 0.1
+    assert run.losses[10] < run.losses[1] - 0.1, run.losses  # a 20-step run fell 0.195 by step 10, 0.289 by 20
     summaries = [line for line in run.output.splitlines() if " - memory: " in line]
     assert summaries and all(f"{name}: " in summaries[-1] for name in ("lr_mean", "beta_mean", "update_ratio"))
 
-    step = tmp_path / "run" / "checkpoint" / "step-20"
+    step = tmp_path / "run" / "checkpoint" / "step-10"
     model = trained_from_hf("mone_debug", step, tmp_path / "hf")
     x = torch.randint(0, 4096, (2, 256), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
