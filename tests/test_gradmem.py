@@ -297,16 +297,6 @@ def test_exact_match_scores_the_models_own_greedy_answers_from_the_memory():
 PREFLIGHT = ["--module", "train_configs.gradmem", "--config", "gradmem_kv_debug"]
 
 
-def passes_preflight(argv: list[str]) -> None:
-    """The launcher's checks (`preflight.main`) accept `argv`, in this process."""
-    import logging
-
-    from torchtitan_ext.training import preflight
-
-    preflight.main(argv)  # exits 2 on a refusal
-    logging.disable(logging.NOTSET)  # preflight.main silences torchtitan's warnings for the process
-
-
 @pytest.mark.parametrize("args, message", [
     (["--compile.enable"], "torch.compile"),
     (["activation-checkpoint:full"], "activation-checkpoint:none"),
@@ -399,11 +389,12 @@ def test_the_paper_configs_take_table_1s_largest_rows(config):
     input rows of 7 x 96 + 9 = 681 tokens behind m = 8 memory vectors), and the paper's model
     (4 layers, dim 128, K = 2 / the forward write) writes and reads such rows forward and
     backward on the meta device."""
-    from train_configs.gradmem import kv_row
+    from test_preflight import preflight_code
     from torchtitan_ext.families.gradmem import model_config
+    from train_configs.gradmem import kv_row
 
     stage = ["--dataloader.pairs", "96", "--validator.dataloader.pairs", "96", "--training.seq_len", str(kv_row(96))]
-    passes_preflight(PREFLIGHT[:-1] + [config] + stage)
+    assert preflight_code(PREFLIGHT[:-1] + [config] + stage) == 0
     write = "forward" if config.endswith("forward") else "gradient"
     context, read = 7 * 96 + 2, 7  # BOS + 96 pairs + "|"; "?!kk:" + the 2-character value
     with torch.device("meta"):
@@ -423,6 +414,7 @@ def test_the_transformer_baseline_reads_the_context_with_full_attention_and_trai
     attends to it), and 30 AdamW steps on its 4-pair rows lower the answer loss. Its preflight
     passes at Table 1's largest stage (96 pairs)."""
     from models.backbones.decoder_lm import DecoderLM
+    from test_preflight import preflight_code
     from torchtitan_ext.data.kv_tokenizer import build
     from torchtitan_ext.data.task_data import TaskDataset
     from torchtitan_ext.data.tokenizer import AssetsTokenizer
@@ -459,7 +451,7 @@ def test_the_transformer_baseline_reads_the_context_with_full_attention_and_trai
         moved = (model(changed, positions[:1]) - model(tokens[:1], positions[:1]))[0, answer].abs().max()
     assert moved > 1e-3
     stage = ["--dataloader.pairs", "96", "--validator.dataloader.pairs", "96", "--training.seq_len", str(kv_row(96))]
-    passes_preflight(PREFLIGHT[:-1] + ["gradmem_kv_transformer"] + stage)
+    assert preflight_code(PREFLIGHT[:-1] + ["gradmem_kv_transformer"] + stage) == 0
 
 
 WRITE_AND_READ_IN_PLAIN_TRANSFORMERS = """
