@@ -49,7 +49,8 @@ def tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def seed_cache(tmp_path_factory) -> Path:
     """A folder the session's xdist workers share (the parent of each worker's temporary root;
-    the root itself without xdist), holding one seed checkpoint per family (tests/training_runs.py `seeded_folder`)."""
+    the root itself without xdist), holding one seed checkpoint per family
+    (tests/training_runs.py `seeded_folder`)."""
     root = tmp_path_factory.getbasetemp()
     return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 # MAG and MAL share MAC's and LMM's memory module, FSDP plan and compile (torchtitan_ext/families/
-# titans.py): they are held to one process only, learning through the launcher (below).
+# titans.py), which the 1-vs-2 test holds; they are trained on one process only (below).
 ONE_PROCESS_ONLY = ("titans_mag", "titans_mal")
 
 

@@ -31,7 +31,8 @@ def seeded_folder(family: str, folder: Path, cache: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (seed / "checkpoint" / "step-0" / ".metadata").exists():
             shutil.rmtree(seed, ignore_errors=True)
-            run = train((CONFIGS | GRAFTS)[family] + SHORT + ["--dump_folder", str(seed), "--checkpoint.create-seed-checkpoint"])
+            run = train((CONFIGS | GRAFTS)[family] + SHORT
+                        + ["--dump_folder", str(seed), "--checkpoint.create-seed-checkpoint"])
             assert run.returncode == 0 and (seed / "checkpoint" / "step-0" / ".metadata").exists(), run
     shutil.copytree(seed / "checkpoint" / "step-0", folder / "checkpoint" / "step-0")
 
