@@ -213,7 +213,7 @@ def test_gradmem_perplexity_reads_each_segment_after_the_memory_of_every_token_b
     (["--suite", "paper"], "pass --dry-run to preflight them"),  # not the debug rows in one process
 ])
 def test_bad_input_is_one_line_and_exit_2_writing_nothing(tmp_path, args, message, capsys):
-    """In process (the script's `main`); the script's own exit code through Python is the ci fixture's."""
+    """In process (the script's `main`, which exits 2); the script runs as a process in the ci fixture and the dry run."""
     with pytest.raises(SystemExit) as exit_:
         load_script("leaderboard").main([*args, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
