@@ -65,6 +65,36 @@ def test_a_model_that_only_knows_the_pairs_scores_1_and_chance_is_low():
     assert mqar.accuracy(Constant(), inputs, targets) < 0.05
 
 
+@pytest.mark.parametrize("reach", [2, 8, 14])
+def test_the_loss_reach_keeps_exactly_the_queries_within_it(reach):
+    """`within_reach` on a mix of 2, 4 and 8 pairs keeps a query's target iff its key's pair lies
+    <= `reach` tokens back, the distance found here by looking the key up among the pairs."""
+    tasks = tuple(mqar.Task(seq_len=32, num_kv=kv, vocab=64) for kv in (2, 4, 8))
+    inputs, targets = mqar.mixed_batch(tasks, 48, torch.Generator().manual_seed(3))
+    kept = mqar.within_reach(inputs, targets, reach)
+    near = far = 0
+    for row_in, row_target, row_kept in zip(inputs.tolist(), targets.tolist(), kept.tolist()):
+        kv = sum(t != mqar.IGNORE for t in row_target)
+        keys = row_in[0:2 * kv:2]
+        for q, (target, left) in enumerate(zip(row_target, row_kept)):
+            if target == mqar.IGNORE:
+                assert left == mqar.IGNORE
+                continue
+            within = q - 2 * keys.index(row_in[q]) <= reach
+            assert left == (target if within else mqar.IGNORE), (q, reach)
+            near, far = near + within, far + (not within)
+    assert near > 0 and far > 0  # both sides present: the check has teeth
+
+
+def test_a_loss_reach_below_every_distance_leaves_no_query_and_stops_the_run():
+    """Every pair lies >= 2 tokens before its query, so a reach of 1 asks nothing: the loss is
+    NaN and the run stops as non-finite at its first step (the reach reaches the loss)."""
+    model = mqar.build_model("transformer", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=32)
+    task = mqar.Task(seq_len=16, num_kv=2, vocab=32)
+    assert mqar.train(model, task, steps=3, batch_size=8, eval_every=3, loss_reach=8).nonfinite_step is None
+    assert mqar.train(model, task, steps=3, batch_size=2, loss_reach=1).nonfinite_step == 1
+
+
 def test_training_stops_at_the_first_nonfinite_step():
     model = mqar.build_model("titans_lmm", dim=32, n_layers=1, n_heads=2, vocab_size=64, window=16)
     with torch.no_grad():

@@ -71,7 +71,11 @@ def test_runs_are_recorded_once_each(tmp_path):
     changed = mqar_prefix.run_all("transformer_full", fewer_prompts, [1], 3e-3, 0.02, {}, out, log=lambda line: None)
     assert changed[0]["setting_changes"] == {"val_prompts": 2}  # another setting: a run of its own
     assert sum(changed[0]["within_window"][1:] + changed[0]["beyond_window"][1:]) == 2 * sum(QUICK.train_kv)
+    assert changed[0]["within_window_by_kv"]["2"] == changed[0]["within_window"]  # one training task: the same
     assert len(out.read_text().splitlines()) == 4
+    reached = mqar_prefix.run_all("transformer_full", fewer_prompts, [1], 3e-3, 0.02, {}, out, log=lambda line: None,
+                                  loss_reach=6)
+    assert reached[0]["loss_reach"] == 6 and len(out.read_text().splitlines()) == 5  # another reach: a run of its own
 
 
 @pytest.mark.parametrize("args, message", [
@@ -123,7 +127,11 @@ def test_validation_queries_split_at_the_window():
                     logits[b, t, tokens[b, 2 * earlier[0, 0] + 1]] = 1.0
             return logits
 
-    inside, beyond = mqar_prefix.validation_by_distance(Oracle(), QUICK, seed=0)
+    profile = mqar_prefix.validation_by_distance(Oracle(), QUICK, seed=0)
+    assert set(profile) == {str(kv) for kv in QUICK.train_kv}
+    inside, beyond = mqar_prefix.split_at(QUICK.window, *profile.values())
     queries = sum(kv * QUICK.val_prompts for kv in QUICK.train_kv)
     assert inside[1] + beyond[1] == queries and inside[1] > 0 and beyond[1] > 0
     assert inside[0] == inside[1] and beyond[0] == beyond[1]
+    near = mqar_prefix.split_at(4, *profile.values())[0]
+    assert 0 < near[1] < inside[1]  # the split moves with the window

@@ -67,6 +67,15 @@ def batch(task: Task, size: int, generator: torch.Generator) -> tuple[torch.Tens
     return sequence[:, :-1], labels[:, 1:]
 
 
+def within_reach(inputs: torch.Tensor, targets: torch.Tensor, reach: int) -> torch.Tensor:
+    """`targets` (B, T) with every query whose key's pair lies more than `reach` tokens back
+    set to IGNORE: a loss that asks only what an attention window of `reach` tokens reaches
+    (the distance `answers` reports). The pair is the key's first occurrence: the pairs open
+    the sequence and their keys are distinct."""
+    first = (inputs[:, :, None] == inputs[:, None, :]).int().argmax(-1)  # (B, T): where each token first occurs
+    return targets.masked_fill(torch.arange(inputs.shape[1]) - first > reach, IGNORE)
+
+
 def mixed_batch(tasks: "Task | tuple[Task, ...]", size: int, generator: torch.Generator
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` over several settings of one sequence length (e.g. a few key-value counts):
@@ -213,7 +222,7 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
           warmup_fraction: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), clip_norm: float = 0.0,
           cosine_steps: int = 0, after_step: Callable[[int, float], bool] | None = None,
           evaluate: Callable[[torch.nn.Module], float] | None = None, until: Plateau | None = None,
-          snapshot: Snapshot | None = None) -> Run:
+          snapshot: Snapshot | None = None, loss_reach: int = 0) -> Run:
     """AdamW (betas (0.9, 0.95), weight decay 0.1 as the paper recipes; lr constant after a linear
     warmup over `warmup_fraction` of the steps), `steps` steps on fresh batches, accuracy on
     one held-out batch (its own seed) every `eval_every` steps and at the end. `task` may be
@@ -224,7 +233,9 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
     non-finite and stops the run (e.g. a memory state that left the finite range).
     `evaluate(model)` (in eval mode) replaces the held-out batch's accuracy; `until` stops the
     run after the evaluation at which `until.reason(accuracies)` names a reason (`Run.stop`);
-    `snapshot` keeps the run resumable (`Snapshot`)."""
+    `snapshot` keeps the run resumable (`Snapshot`); `loss_reach` > 0 asks the loss only the
+    queries whose key lies at most that many tokens back (`within_reach`; a batch with none
+    left has a NaN loss and stops the run as non-finite)."""
     generator = torch.Generator().manual_seed(seed)
     if evaluate is None:
         held_out = mixed_batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
@@ -244,6 +255,8 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
     began, seconds_before = time.perf_counter(), run.seconds
     for step in range(done + 1, steps + 1):
         inputs, targets = mixed_batch(task, batch_size, generator)
+        if loss_reach:
+            targets = within_reach(inputs, targets, loss_reach)
         logits = logits_of(model, inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad(set_to_none=True)

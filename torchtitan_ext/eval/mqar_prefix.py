@@ -60,52 +60,73 @@ def check_overrides(row: str, setting: mqar_suite.Setting, overrides: dict) -> N
         raise UserError(f"--set: {row}'s config refuses {sorted(overrides)} ({e}): name fields of its config") from None
 
 
-def validation_by_distance(model: torch.nn.Module, s: mqar_suite.Setting, seed: int) -> tuple[list[int], list[int]]:
-    """[right, asked] over the validation queries (every training key-value count) whose pair
-    lies within `s.window` tokens of the query, and [right, asked] over the others: those no
-    attention spanning `window` tokens reaches, so only a memory answers them. A chunk-local
-    decoder (Mela's, P*C = mela_span) reaches only pairs in its own chunk."""
-    inside, beyond = [0, 0], [0, 0]
+def validation_by_distance(model: torch.nn.Module, s: mqar_suite.Setting, seed: int) -> dict[str, dict[str, list[int]]]:
+    """{str(kv): {str(distance): [right, asked]}}: the validation queries of each training task
+    (`s.val_prompts` prompts) by how many tokens back their pair lies (`mqar.answers`)."""
+    profile = {}
     for kv in s.train_kv:
         correct, distance = mqar.answers(model, *mqar_suite.prompts(s, kv, s.train_len, s.val_prompts, seed, "validation"))
-        near = distance <= s.window
-        inside = [inside[0] + int(correct[near].sum()), inside[1] + int(near.sum())]
-        beyond = [beyond[0] + int(correct[~near].sum()), beyond[1] + int((~near).sum())]
+        counts = profile.setdefault(str(kv), {})
+        for d in sorted(set(distance.flatten().tolist())):
+            at = distance == d
+            counts[str(d)] = [int(correct[at].sum()), int(at.sum())]
+    return profile
+
+
+def split_at(window: int, *profiles: dict[str, list[int]]) -> tuple[list[int], list[int]]:
+    """([right, asked] of the queries whose pair lies within `window` tokens, [right, asked] of
+    the others: those no attention spanning `window` tokens reaches directly, so only a memory
+    or stacked windows answer them), pooled over tasks' {str(distance): [right, asked]}. A
+    chunk-local decoder (Mela's, P*C = mela_span) reaches only pairs in its own chunk."""
+    inside, beyond = [0, 0], [0, 0]
+    for profile in profiles:
+        for d, (right, asked) in profile.items():
+            side = inside if int(d) <= window else beyond
+            side[0] += right
+            side[1] += asked
     return inside, beyond
 
 
 def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std: float | None,
-        overrides: dict | None = None) -> dict:
+        overrides: dict | None = None, loss_reach: int = 0) -> dict:
     """One run of `row` (a suite row) at `seed` and `lr`, with a prefix of std `prefix_std`
-    (None: without one) and config fields `overrides`: its record (validation curve, last
-    validation accuracy, seconds)."""
+    (None: without one), config fields `overrides` and the loss asked only within
+    `loss_reach` tokens (0: every query; `mqar.within_reach`): its record (validation curve,
+    last validation accuracy, seconds, the validation queries within and beyond the window,
+    pooled and per training task, and by distance)."""
     overrides = overrides or {}
 
     def build(name: str, s: mqar_suite.Setting) -> torch.nn.Module:
         model = mqar_suite.build_row(name, s, **overrides)
         return model if prefix_std is None else PrefixLM(model, s.width, prefix_std)
 
-    model, record = mqar_suite.train_run(row, setting, seed, lr, build=build)
-    inside, beyond = validation_by_distance(model.eval(), setting, seed)
+    model, record = mqar_suite.train_run(row, setting, seed, lr, build=build, loss_reach=loss_reach)
+    profile = validation_by_distance(model.eval(), setting, seed)
+    inside, beyond = split_at(setting.window, *profile.values())
     return {"row": row, "prefix_std": prefix_std, "overrides": overrides, "setting_changes": setting_changes(setting),
-            "seed": seed, "lr": lr, "steps": setting.steps, "parameters": sum(p.numel() for p in model.parameters()),
+            "loss_reach": loss_reach, "seed": seed, "lr": lr, "steps": setting.steps,
+            "parameters": sum(p.numel() for p in model.parameters()),
             "curve": record["curve"], "stop": record["stop"], "stop_step": record["stop_step"],
             "val_accuracy": record["val_accuracy"],
             "solved": record["val_accuracy"] >= SOLVED, "within_window": inside, "beyond_window": beyond,
+            "within_window_by_kv": {kv: split_at(setting.window, counts)[0] for kv, counts in profile.items()},
+            "by_distance": profile,
             "train_seconds": record["train_seconds"]}
 
 
 def run_all(row: str, setting: mqar_suite.Setting, seeds: list[int], lr: float, prefix_std: float | None,
-            overrides: dict, out: Path, log=print) -> list[dict]:
+            overrides: dict, out: Path, log=print, loss_reach: int = 0) -> list[dict]:
     """`run` for each seed, each record appended to the JSON-lines file `out` as it ends
-    (a seed already there with the same row, prefix, overrides, setting, steps and lr is skipped)."""
+    (a seed already there with the same row, prefix, overrides, setting, steps, lr and loss
+    reach is skipped; a record from before the loss reach existed has reach 0)."""
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     key = dict(row=row, prefix_std=prefix_std, overrides=overrides, setting_changes=setting_changes(setting),
-               steps=setting.steps, lr=lr)
+               steps=setting.steps, lr=lr, loss_reach=loss_reach)
+    absent = {"loss_reach": 0}
     records = []
     for seed in seeds:
-        previous = [r for r in done if r["seed"] == seed and all(r.get(k, {}) == v for k, v in key.items())]
-        record = previous[0] if previous else run(row, setting, seed, lr, prefix_std, overrides)
+        previous = [r for r in done if r["seed"] == seed and all(r.get(k, absent.get(k, {})) == v for k, v in key.items())]
+        record = previous[0] if previous else run(row, setting, seed, lr, prefix_std, overrides, loss_reach)
         if not previous:
             with out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
