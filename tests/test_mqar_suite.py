@@ -218,6 +218,20 @@ def test_no_control_no_verdict():
     assert mqar_verdicts.verdicts(without_rule)[0]["verdict"] == "supported"
 
 
+def test_queries_fall_into_the_distance_bins_by_their_pair():
+    """The control of `_window_results` (pairs at 2 and 12 tokens, 27 of 30 near ones right, no
+    far one) binned at a window of 8 (edges 2, 4, 6, 8, 14): the near queries in the first
+    bin, the far ones in 9-14, nothing elsewhere; the inside/beyond split is the same count."""
+    edges = mqar_verdicts.distance_edges(8)
+    assert edges == (2, 4, 6, 8, 14) and mqar_verdicts.distance_edges(1) == (1,)
+    control = _window_results(27)["rows"]["transformer_window"]
+    assert mqar_verdicts.binned_counts(control, edges) == [[27, 30], [0, 0], [0, 0], [0, 0], [0, 30], [0, 0]]
+    assert mqar_verdicts.binned_counts(control, edges, length=32) == [[0, 0]] * 6  # no task of that length
+    assert mqar_verdicts.binned_counts(control, (2, 11)) == [[27, 30], [0, 0], [0, 30]]  # 12 > 11: the last bin
+    assert mqar_verdicts.split_counts(control, 8) == {"inside": [27, 30], "beyond": [0, 30]}
+    assert mqar_verdicts.split_counts(control, 12) == {"inside": [27, 60], "beyond": [0, 0]}  # d <= window is inside
+
+
 def test_reach_gives_the_first_evaluation_at_each_level_in_steps_and_flops():
     curve = [[100, 0.3], [200, 0.55], [300, 0.5], [400, 0.85]]
     assert mqar_verdicts.reach(curve, tokens_per_step=1024, flops_per_token=2.0) == {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchtitan_ext.eval.mqar_verdicts import LEVELS, by_distance, task_key
+from torchtitan_ext.eval.mqar_verdicts import LEVELS, binned_counts, by_distance, distance_edges, task_key
 from torchtitan_ext.eval.stats import format_summary
 
 
@@ -181,6 +181,16 @@ def markdown(results: dict) -> str:
               "split is approximate.", "", "| row | within the window | beyond the window |", "| --- | --- | --- |"]
     for name, counts in split.items():
         cells = [f"{c[0] / c[1]:.3f} ({c[1]:,} queries)" if c[1] else "-" for c in (counts["inside"], counts["beyond"])]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    edges = distance_edges(s["window"])
+    bins = [f"<= {edges[0]}"] + [f"{a + 1}-{b}" for a, b in zip(edges, edges[1:])] + [f"> {edges[-1]}"]
+    lines += ["", f"The same queries by the pair's distance in tokens (the near pairs apart from the far ones: a "
+              f"windowed model that recalls through its two stacked windows can serve d up to 2 x ({s['window']} - 1) "
+              "and still fail the nearest pairs):", "", "| row | " + " | ".join(bins) + " |",
+              "| --- | " + " | ".join("---" for _ in bins) + " |"]
+    for name, row in results["rows"].items():
+        cells = [f"{right / asked:.2f} ({asked:,})" if asked else "-"
+                 for right, asked in binned_counts(row, edges, length=s["train_len"])]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Wall times and tokens/s are single timings on a shared 2-core machine (no interval)."]
     return "\n".join(lines) + "\n"

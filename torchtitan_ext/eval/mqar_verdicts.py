@@ -63,21 +63,37 @@ def summaries(results: dict) -> dict:
             for name, row in results["rows"].items()}
 
 
-def split_counts(row: dict, window: int, length: int | None = None, key: str | None = None) -> dict:
-    """{"inside": [right, asked], "beyond": [right, asked]}: the row's queries (every seed and
-    prompt) whose pair lies <= `window` tokens back, and the others; only tasks of length
-    `length` (None: all), or only task `key`."""
-    counts = {"inside": [0, 0], "beyond": [0, 0]}
+def binned_counts(row: dict, edges: tuple[int, ...], length: int | None = None, key: str | None = None) -> list[list[int]]:
+    """[right, asked] per distance bin of the row's queries (every seed and prompt) by how many
+    tokens back their pair lies: d <= edges[0], edges[0] < d <= edges[1], ..., d > edges[-1]
+    (len(edges) + 1 bins); only tasks of length `length` (None: all), or only task `key`."""
+    counts = [[0, 0] for _ in range(len(edges) + 1)]
     for seed in row["seeds"].values():
         for name, task in seed["tasks"].items():
             if (length is not None and task["length"] != length) or (key is not None and name != key):
                 continue
             for right, far in zip(task["correct"], task["distance"]):
                 for ok, d in zip(right, far):
-                    side = counts["inside" if d <= window else "beyond"]
+                    side = counts[sum(d > edge for edge in edges)]
                     side[0] += ok
                     side[1] += 1
     return counts
+
+
+def split_counts(row: dict, window: int, length: int | None = None, key: str | None = None) -> dict:
+    """{"inside": [right, asked], "beyond": [right, asked]}: the row's queries (every seed and
+    prompt) whose pair lies <= `window` tokens back, and the others; only tasks of length
+    `length` (None: all), or only task `key`."""
+    inside, beyond = binned_counts(row, (window,), length, key)
+    return {"inside": inside, "beyond": beyond}
+
+
+def distance_edges(window: int) -> tuple[int, ...]:
+    """The report's distance bins for a window w: a quarter, half, three quarters of it, the
+    window, the reach of two stacked windows 2(w - 1) (a query at position t sees t - w + 1; a
+    position there saw w - 1 further back), beyond."""
+    return tuple(sorted({max(1, window // 4), max(1, window // 2), max(1, 3 * window // 4), window,
+                         max(window, 2 * (window - 1))}))
 
 
 def by_distance(results: dict) -> dict:
