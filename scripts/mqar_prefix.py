@@ -16,7 +16,8 @@ setting beside the same row without a prefix (solved counts, one-sided Fisher ex
 `--setting FIELD=VALUE` a field of the suite setting (e.g. window=16 mela_patch=8 mela_chunk=2:
 Mela's decoder chunks of 16 tokens, and the within / beyond split at 16). `--loss-reach N`
 asks the loss only the queries whose key lies at most N tokens back (e.g. the window-only
-control trained on what its window reaches).
+control trained on what its window reaches); with `--loss-reach-steps S` only on the first S
+steps, every query after them (a curriculum).
 Bad input (no or an unknown --row, a malformed --seeds, a field --set or --setting cannot take,
 --summary of a missing file) prints one line and exits 2.
 """
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE", help="a field of the suite setting")
     parser.add_argument("--loss-reach", type=int, default=0,
                         help="ask the loss only queries whose key lies at most N tokens back (0: every query)")
+    parser.add_argument("--loss-reach-steps", type=int, default=0,
+                        help="apply --loss-reach on the first S steps only (0: on every step)")
     parser.add_argument("--quick", action="store_true", help="the tiny setting the tests run")
     parser.add_argument("--out", type=Path, required=True, help="JSON-lines file the runs are appended to")
     parser.add_argument("--summary", action="store_true", help="print the runs in --out as a table; run nothing")
@@ -85,13 +88,15 @@ def main(argv: list[str] | None = None) -> None:
             changes["steps"] = args.steps
         setting = mqar_prefix.setting_with(args.quick, **changes)
         mqar_prefix.check_overrides(args.row, setting, overrides)
-        if args.loss_reach < 0:
-            raise UserError(f"--loss-reach {args.loss_reach}: give a token count >= 1, or 0 for every query")
+        if args.loss_reach < 0 or args.loss_reach_steps < 0:
+            raise UserError(f"--loss-reach {args.loss_reach} --loss-reach-steps {args.loss_reach_steps}: give counts "
+                            ">= 1, or 0 (every query; every step)")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     records = mqar_prefix.run_all(args.row, setting, seeds, args.lr, args.prefix_std, overrides, args.out,
-                                  log=lambda line: print(line, flush=True), loss_reach=args.loss_reach)
+                                  log=lambda line: print(line, flush=True), loss_reach=args.loss_reach,
+                                  loss_reach_steps=args.loss_reach_steps)
     print(f"solved (validation >= {mqar_prefix.SOLVED}): {sum(r['solved'] for r in records)} of {len(records)} seeds")
 
 

@@ -95,6 +95,18 @@ def test_a_loss_reach_below_every_distance_leaves_no_query_and_stops_the_run():
     assert mqar.train(model, task, steps=3, batch_size=2, loss_reach=1).nonfinite_step == 1
 
 
+@pytest.mark.parametrize("reach, reach_steps, asked_within", [(0, 0, 0), (8, 0, 4), (8, 2, 2)])
+def test_the_loss_reach_applies_on_its_first_steps_only(monkeypatch, reach, reach_steps, asked_within):
+    """A curriculum: `loss_reach_steps` S > 0 masks the targets on steps 1..S and asks every
+    query after them; 0 masks every step; no reach masks none (4 steps here)."""
+    calls = []
+    monkeypatch.setattr(mqar, "within_reach", lambda inputs, targets, r: calls.append(r) or targets)
+    model = mqar.build_model("transformer", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=32)
+    mqar.train(model, mqar.Task(seq_len=16, num_kv=2, vocab=32), steps=4, batch_size=2, eval_every=4, loss_reach=reach,
+               loss_reach_steps=reach_steps)
+    assert calls == [reach] * asked_within
+
+
 def test_training_stops_at_the_first_nonfinite_step():
     model = mqar.build_model("titans_lmm", dim=32, n_layers=1, n_heads=2, vocab_size=64, window=16)
     with torch.no_grad():

@@ -222,7 +222,7 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
           warmup_fraction: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), clip_norm: float = 0.0,
           cosine_steps: int = 0, after_step: Callable[[int, float], bool] | None = None,
           evaluate: Callable[[torch.nn.Module], float] | None = None, until: Plateau | None = None,
-          snapshot: Snapshot | None = None, loss_reach: int = 0) -> Run:
+          snapshot: Snapshot | None = None, loss_reach: int = 0, loss_reach_steps: int = 0) -> Run:
     """AdamW (betas (0.9, 0.95), weight decay 0.1 as the paper recipes; lr constant after a linear
     warmup over `warmup_fraction` of the steps), `steps` steps on fresh batches, accuracy on
     one held-out batch (its own seed) every `eval_every` steps and at the end. `task` may be
@@ -235,7 +235,8 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
     run after the evaluation at which `until.reason(accuracies)` names a reason (`Run.stop`);
     `snapshot` keeps the run resumable (`Snapshot`); `loss_reach` > 0 asks the loss only the
     queries whose key lies at most that many tokens back (`within_reach`; a batch with none
-    left has a NaN loss and stops the run as non-finite)."""
+    left has a NaN loss and stops the run as non-finite), on the first `loss_reach_steps`
+    steps (0: on every step) and every query after them (a curriculum)."""
     generator = torch.Generator().manual_seed(seed)
     if evaluate is None:
         held_out = mixed_batch(task, eval_size, torch.Generator().manual_seed(10**6 + seed))
@@ -255,7 +256,7 @@ def train(model: torch.nn.Module, task: "Task | tuple[Task, ...]", *, steps: int
     began, seconds_before = time.perf_counter(), run.seconds
     for step in range(done + 1, steps + 1):
         inputs, targets = mixed_batch(task, batch_size, generator)
-        if loss_reach:
+        if loss_reach and (not loss_reach_steps or step <= loss_reach_steps):
             targets = within_reach(inputs, targets, loss_reach)
         logits = logits_of(model, inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)

@@ -88,10 +88,11 @@ def split_at(window: int, *profiles: dict[str, list[int]]) -> tuple[list[int], l
 
 
 def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std: float | None,
-        overrides: dict | None = None, loss_reach: int = 0) -> dict:
+        overrides: dict | None = None, loss_reach: int = 0, loss_reach_steps: int = 0) -> dict:
     """One run of `row` (a suite row) at `seed` and `lr`, with a prefix of std `prefix_std`
     (None: without one), config fields `overrides` and the loss asked only within
-    `loss_reach` tokens (0: every query; `mqar.within_reach`): its record (validation curve,
+    `loss_reach` tokens (0: every query; `mqar.within_reach`) on the first `loss_reach_steps`
+    steps (0: every step): its record (validation curve,
     last validation accuracy, seconds, the validation queries within and beyond the window,
     pooled and per training task, and by distance)."""
     overrides = overrides or {}
@@ -100,11 +101,12 @@ def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std:
         model = mqar_suite.build_row(name, s, **overrides)
         return model if prefix_std is None else PrefixLM(model, s.width, prefix_std)
 
-    model, record = mqar_suite.train_run(row, setting, seed, lr, build=build, loss_reach=loss_reach)
+    model, record = mqar_suite.train_run(row, setting, seed, lr, build=build, loss_reach=loss_reach,
+                                         loss_reach_steps=loss_reach_steps)
     profile = validation_by_distance(model.eval(), setting, seed)
     inside, beyond = split_at(setting.window, *profile.values())
     return {"row": row, "prefix_std": prefix_std, "overrides": overrides, "setting_changes": setting_changes(setting),
-            "loss_reach": loss_reach, "seed": seed, "lr": lr, "steps": setting.steps,
+            "loss_reach": loss_reach, "loss_reach_steps": loss_reach_steps, "seed": seed, "lr": lr, "steps": setting.steps,
             "parameters": sum(p.numel() for p in model.parameters()),
             "curve": record["curve"], "stop": record["stop"], "stop_step": record["stop_step"],
             "val_accuracy": record["val_accuracy"],
@@ -115,18 +117,19 @@ def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std:
 
 
 def run_all(row: str, setting: mqar_suite.Setting, seeds: list[int], lr: float, prefix_std: float | None,
-            overrides: dict, out: Path, log=print, loss_reach: int = 0) -> list[dict]:
+            overrides: dict, out: Path, log=print, loss_reach: int = 0, loss_reach_steps: int = 0) -> list[dict]:
     """`run` for each seed, each record appended to the JSON-lines file `out` as it ends
     (a seed already there with the same row, prefix, overrides, setting, steps, lr and loss
-    reach is skipped; a record from before the loss reach existed has reach 0)."""
+    reach and its steps is skipped; a record from before those existed has 0 for them)."""
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     key = dict(row=row, prefix_std=prefix_std, overrides=overrides, setting_changes=setting_changes(setting),
-               steps=setting.steps, lr=lr, loss_reach=loss_reach)
-    absent = {"loss_reach": 0}
+               steps=setting.steps, lr=lr, loss_reach=loss_reach, loss_reach_steps=loss_reach_steps)
+    absent = {"loss_reach": 0, "loss_reach_steps": 0}
     records = []
     for seed in seeds:
         previous = [r for r in done if r["seed"] == seed and all(r.get(k, absent.get(k, {})) == v for k, v in key.items())]
-        record = previous[0] if previous else run(row, setting, seed, lr, prefix_std, overrides, loss_reach)
+        record = previous[0] if previous else run(row, setting, seed, lr, prefix_std, overrides, loss_reach,
+                                                  loss_reach_steps)
         if not previous:
             with out.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -325,7 +325,8 @@ def validation_accuracies(model: torch.nn.Module, s: Setting, seed: int) -> dict
 
 @denormals_flushed()
 def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row,
-              snapshot: Path | None = None, loss_reach: int = 0) -> tuple[torch.nn.Module, dict]:
+              snapshot: Path | None = None, loss_reach: int = 0, loss_reach_steps: int = 0
+              ) -> tuple[torch.nn.Module, dict]:
     """One row trained at one seed and rate (to its plateau when `s.cap_factor`, else `s.steps`
     steps): (model, record). `build(name, s)` makes the model (after `torch.manual_seed(seed)`).
     The record: "curve" [[step, validation accuracy (mean over the training tasks)]], every
@@ -337,12 +338,14 @@ def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row,
     evaluation (mqar.Snapshot, keyed by the row, setting, rate and seed). Every row trains with
     subnormal floats flushed (`denormals_flushed`; the caller's setting restored after).
     `loss_reach` > 0 (follow-up studies, not the suite): the loss asks only the queries whose
-    key lies at most that many tokens back (`mqar.within_reach`)."""
+    key lies at most that many tokens back (`mqar.within_reach`), on the first
+    `loss_reach_steps` steps (0: every step)."""
     torch.manual_seed(seed)
     model = build(name, s)
     tasks = tuple(mqar.Task(seq_len=s.train_len, num_kv=kv, vocab=s.vocab) for kv in s.train_kv)
     keep = mqar.Snapshot(snapshot, {"row": name, "setting": run_key(s), "lr": lr, "seed": seed,
-                                    **({"loss_reach": loss_reach} if loss_reach else {})}, {"by_kv": []})
+                                    **({"loss_reach": [loss_reach, loss_reach_steps]} if loss_reach else {})},
+                         {"by_kv": []})
 
     def evaluate(m: torch.nn.Module) -> float:
         scores = validation_accuracies(m, s, seed)
@@ -353,7 +356,7 @@ def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row,
     run = mqar.train(model, tasks, steps=s.max_steps(), lr=lr, batch_size=s.batch_size, eval_every=s.eval_every,
                      seed=10_000 + seed, weight_decay=s.weight_decay, warmup_fraction=warmup,
                      evaluate=evaluate, until=s.plateau(), snapshot=keep if snapshot is not None else None,
-                     loss_reach=loss_reach)
+                     loss_reach=loss_reach, loss_reach_steps=loss_reach_steps)
     seconds, by_kv = run.seconds, keep.progress["by_kv"]
     steps_done = run.nonfinite_step or (run.curve[-1][0] if run.curve else 0)
     finite = run.nonfinite_step is None
