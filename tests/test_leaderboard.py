@@ -393,18 +393,21 @@ def test_verdicts_from_json(mqar_quick):
                 expected = None if not first else {"step": first[0], "train_flops": first[0] * 4 * 16 * row["cost"][
                     "train_flops_per_token"]}  # batch 4 x length 16
                 assert run["reach"][level] == expected, (name, level)
-    windowed = [v for v in results["verdicts"] if v["hypothesis"] in ("H2", "H3", "H4", "H5")]
+    windowed = [v for v in results["verdicts"] if v["hypothesis"].rstrip("r") in ("H2", "H3", "H4", "H5")]
+    assert {v["hypothesis"] for v in windowed} == {"H2", "H3", "H4", "H5", "H2r", "H3r", "H4r", "H5r"}
     for v in windowed:
+        control = "transformer_window_reach" if v["hypothesis"].endswith("r") else "transformer_window"
         right = asked = 0  # the control's queries within its window on this task, every seed
-        for seed in results["rows"]["transformer_window"]["seeds"].values():
+        for seed in results["rows"][control]["seeds"].values():
             task = seed["tasks"][v["task"]]
             for c, far in zip(task["correct"], task["distance"]):
                 right += sum(ok for ok, d in zip(c, far) if d <= s.window)
                 asked += sum(d <= s.window for d in far)
         assert v["control_inside"] == pytest.approx(right / asked), v
-        if not v["verdict"].startswith("at floor"):
-            assert right / asked < 0.9 and v["verdict"] == (f"no control (window-only control answers "
-                                                           f"{right / asked:.2f} inside its window < 0.9)"), v
+        if not v["verdict"].startswith("at floor") and right / asked < 0.9:
+            assert v["verdict"] == f"no control (window-only control answers {right / asked:.2f} inside its window < 0.9)", v
+        elif not v["verdict"].startswith("at floor"):
+            assert v["verdict"] in ("supported", "not supported", "inconclusive"), v
     assert any(v["verdict"].startswith("no control") for v in windowed)  # the rule, not only the floor, acts here
     solved = json.loads((out / "mqar.json").read_text())
     for seed in solved["rows"]["transformer_window"]["seeds"].values():

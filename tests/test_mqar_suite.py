@@ -77,6 +77,27 @@ def test_the_window_only_transformer_sees_only_its_window():
         torch.testing.assert_close(mqar.logits_of(windowed, changed)[:, 16:], b[:, 16:])
 
 
+def test_the_reach_control_is_the_window_only_model_asked_what_its_windows_reach(monkeypatch):
+    """`transformer_window_reach`: the window-only model (the same logits for the same weights),
+    its loss asked within layers x (window - 1) tokens on every step; the other rows ask every
+    query."""
+    torch.manual_seed(0)
+    window = mqar_suite.build_row("transformer_window", QUICK).eval()
+    reach = mqar_suite.build_row("transformer_window_reach", QUICK).eval()
+    reach.load_state_dict(window.state_dict())
+    tokens = torch.randint(0, QUICK.vocab, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(mqar.logits_of(reach, tokens), mqar.logits_of(window, tokens))
+    calls = []
+    real = mqar.within_reach
+    monkeypatch.setattr(mqar, "within_reach", lambda inputs, targets, r: calls.append(r) or real(inputs, targets, r))
+    _, record = mqar_suite.train_run("transformer_window_reach", QUICK, 0, 3e-3)
+    assert calls == [QUICK.layers * (QUICK.window - 1)] * record["stop_step"] and calls
+    calls.clear()
+    mqar_suite.train_run("transformer_window", QUICK, 0, 3e-3)
+    assert calls == []
+
+
 def test_every_row_builds_at_one_width_and_depth():
     for name in mqar_suite.ROWS:
         family, fields = mqar_suite.row_spec(name, QUICK)

@@ -10,7 +10,9 @@ accuracy on answer positions only (Zoology's rules); the training batches mix th
 key-value counts. Every row has `layers` blocks of width `width`. The attention of the
 windowed rows spans `window` tokens, shorter than `train_len`: the window-only Transformer++
 (torchtitan's llama3 with every attention masked to the last `window` tokens, `WindowedSDPA`:
-the registry's llama3 has no sliding-window option on CPU, so the mask is set here), Titans
+the registry's llama3 has no sliding-window option on CPU, so the mask is set here; its twin
+`transformer_window_reach` is trained only on the queries its two stacked windows reach,
+`loss_reach_of`), Titans
 MAC (segments of `window`; `titans_mac_inputs` is its ablation writing the segment's inputs
 instead of the attention outputs, TitansConfig.mac_write), MAG and MAL (sliding window of
 `window`), Mela (decoder chunks of P*C = `mela_span` tokens, each reading C memory tokens).
@@ -173,9 +175,9 @@ SETTINGS = {
 }
 
 # Cheapest first (Mela's HMM costs ~40x a Transformer++ step here), so a run cut short keeps most rows.
-ROWS = ("transformer_full", "transformer_window", "mlp_lm", "titans_lmm", "titans_mac", "titans_mac_inputs", "titans_mag",
+ROWS = ("transformer_full", "transformer_window", "transformer_window_reach", "mlp_lm", "titans_lmm", "titans_mac", "titans_mac_inputs", "titans_mag",
         "titans_mal", "mela_memory_off", "mela")
-WINDOWED = {"transformer_window", "titans_mac", "titans_mac_inputs", "titans_mag", "titans_mal", "mela", "mela_memory_off"}
+WINDOWED = {"transformer_window", "transformer_window_reach", "titans_mac", "titans_mac_inputs", "titans_mag", "titans_mal", "mela", "mela_memory_off"}
 
 
 def row_spec(name: str, s: Setting) -> tuple[str, dict]:
@@ -215,11 +217,23 @@ class WindowedSDPA(torch.nn.Module):
         return out.transpose(1, 2)
 
 
+def loss_reach_of(name: str, s: Setting) -> int:
+    """How many tokens back a query's pair may lie for row `name`'s training loss to ask it (0:
+    every query; `mqar.within_reach`). `transformer_window_reach` is the window-only
+    Transformer++ asked only what its stacked windows reach, layers x (window - 1) tokens (a
+    query at t sees t - window + 1, which saw window - 1 further back): trained on every query,
+    the window-only control fails its nearest pairs (0.63-0.73 at 2 tokens) while the queries
+    no window reaches pull it toward guessing; asked only what it reaches, it answers 0.98-1.00
+    of its in-window queries and 0.99-1.00 at 9-14 tokens (study C, HC9 in
+    docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md)."""
+    return s.layers * (s.window - 1) if name == "transformer_window_reach" else 0
+
+
 def build_row(name: str, s: Setting, **overrides) -> torch.nn.Module:
     """The row's model; `overrides` replace config fields of its `row_spec` (follow-up studies)."""
     family, fields = row_spec(name, s)
     model = mqar.build_model(family, **{**fields, **overrides})
-    if name == "transformer_window":
+    if name.startswith("transformer_window"):
         for layer in model.layers.values():
             layer.attention.inner_attention = WindowedSDPA(s.window)
     return model
@@ -287,6 +301,15 @@ HYPOTHESES = (
                "titans_mac", "accuracy_difference", "better", tolerance=0.02, smallest_effect=0.1, expected_width=0.2,
                lengths="all", why="written 2026-11-26 after the first run, before this row ran: one seed of the "
                "ablation reached 0.87 validation accuracy where the paper's MAC reached 0.17 (docs/leaderboard.md)"),
+    # Against the window-only control trained on what its windows reach (`loss_reach_of`; issue 48 goal 2), written
+    # 2026-11-29 before that row ran (docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md, HR1): H2-H5 with the
+    # stronger control, under the same no-control rule.
+    *(Hypothesis(f"{key}r", f"{model_name} beats the window-only Transformer++ trained on what its windows reach, "
+                 "at length > window", model, "transformer_window_reach", "accuracy_difference", "better",
+                 tolerance=0.02, smallest_effect=0.1, expected_width=0.15, lengths="all", control_inside=0.9,
+                 why=f"{key} against a control that answers what its two windows reach (study C, HC9)")
+      for key, model_name, model in (("H2", "Titans LMM", "titans_lmm"), ("H3", "Titans MAC", "titans_mac"),
+                                     ("H4", "Titans MAG", "titans_mag"), ("H5", "Titans MAL", "titans_mal"))),
     # Sample efficiency (issue 48), written 2026-11-28 before any of these rows ran under a plateau setting
     # (docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md): fewer training FLOPs to validation 0.8, by at
     # least 25% to count (log2(1.25) = 0.32).
@@ -337,9 +360,10 @@ def train_run(name: str, s: Setting, seed: int, lr: float, build=build_row,
     the parts of a resumed run). `snapshot`: the file that keeps the run resumable after each
     evaluation (mqar.Snapshot, keyed by the row, setting, rate and seed). Every row trains with
     subnormal floats flushed (`denormals_flushed`; the caller's setting restored after).
-    `loss_reach` > 0 (follow-up studies, not the suite): the loss asks only the queries whose
-    key lies at most that many tokens back (`mqar.within_reach`), on the first
-    `loss_reach_steps` steps (0: every step)."""
+    `loss_reach` > 0 (follow-up studies; 0: the row's own, `loss_reach_of`): the loss asks
+    only the queries whose key lies at most that many tokens back (`mqar.within_reach`), on
+    the first `loss_reach_steps` steps (0: every step)."""
+    loss_reach = loss_reach or loss_reach_of(name, s)
     torch.manual_seed(seed)
     model = build(name, s)
     tasks = tuple(mqar.Task(seq_len=s.train_len, num_kv=kv, vocab=s.vocab) for kv in s.train_kv)
@@ -434,7 +458,7 @@ def state_bytes_of(name: str, s: Setting, model: torch.nn.Module) -> int:
             return state_bytes(model.stream(tokens)[1])
     _, fields = row_spec(name, s)
     kv_heads = fields.get("n_kv_heads") or fields["n_heads"]
-    span = s.window if name == "transformer_window" else s.train_len
+    span = s.window if name.startswith("transformer_window") else s.train_len
     return 2 * s.layers * span * kv_heads * (s.width // s.heads) * 4
 
 
