@@ -92,9 +92,9 @@ def run(row: str, setting: mqar_suite.Setting, seed: int, lr: float, prefix_std:
     """One run of `row` (a suite row) at `seed` and `lr`, with a prefix of std `prefix_std`
     (None: without one), config fields `overrides` and the loss asked only within
     `loss_reach` tokens (0: every query; `mqar.within_reach`) on the first `loss_reach_steps`
-    steps (0: every step): its record (validation curve,
-    last validation accuracy, seconds, the validation queries within and beyond the window,
-    pooled and per training task, and by distance)."""
+    steps (0: every step): its record (validation curve, last validation accuracy, seconds,
+    the validation queries within and beyond the window, pooled and per training task, and
+    by distance)."""
     overrides = overrides or {}
 
     def build(name: str, s: mqar_suite.Setting) -> torch.nn.Module:

@@ -175,9 +175,10 @@ SETTINGS = {
 }
 
 # Cheapest first (Mela's HMM costs ~40x a Transformer++ step here), so a run cut short keeps most rows.
-ROWS = ("transformer_full", "transformer_window", "transformer_window_reach", "mlp_lm", "titans_lmm", "titans_mac", "titans_mac_inputs", "titans_mag",
-        "titans_mal", "mela_memory_off", "mela")
-WINDOWED = {"transformer_window", "transformer_window_reach", "titans_mac", "titans_mac_inputs", "titans_mag", "titans_mal", "mela", "mela_memory_off"}
+ROWS = ("transformer_full", "transformer_window", "transformer_window_reach", "mlp_lm", "titans_lmm", "titans_mac",
+        "titans_mac_inputs", "titans_mag", "titans_mal", "mela_memory_off", "mela")
+WINDOWED = {"transformer_window", "transformer_window_reach", "titans_mac", "titans_mac_inputs", "titans_mag", "titans_mal",
+            "mela", "mela_memory_off"}
 
 
 def row_spec(name: str, s: Setting) -> tuple[str, dict]:
