@@ -270,7 +270,8 @@ def test_the_plateau_settings_wait_20_evaluations_and_give_the_seed_sensitive_ro
     t32, t128 = mqar_suite.SETTINGS["plateau32"], mqar_suite.SETTINGS["plateau128"]
     assert t32.plateau_window * t32.eval_every == t128.plateau_window * t128.eval_every == 2000
     assert t32.seeds_of("transformer_full") == (0, 1, 2)
-    assert all(t32.seeds_of(r) == (0, 1, 2, 3, 4) for r in ("mlp_lm", "titans_mac", "titans_mac_inputs"))
+    assert all(t32.seeds_of(r) == (0, 1, 2, 3, 4)
+               for r in ("mlp_lm", "titans_mac", "titans_mac_inputs", "transformer_window_reach"))
     assert all(t128.seeds_of(r) == (0, 1, 2, 3, 4) for r in mqar_suite.ROWS)
     assert dataclasses.replace(t32, seeds=tuple(range(6))).seeds_of("mlp_lm") == tuple(range(6))  # --seeds 6 wins
 

@@ -155,10 +155,11 @@ SETTINGS = {
     # trial (vocabulary 256 at length 64 needed twice the steps at twice the batch).
     "full": Setting("full"),
     # Issue 48: the full shape trained to the plateau (cap 5,400 steps), 3 seeds (5 for the rows whose verdict turned
-    # on the seed). Plateau window 20 evaluations = 2,000 flat steps (at both shapes; 10 before 2026-11-28T05:21:08Z:
+    # on the seed; for the reach control, whether it holds inside its window: HYPOTHESES.md HR2). Plateau window 20 evaluations = 2,000 flat steps (at both shapes; 10 before 2026-11-28T05:21:08Z:
     # docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md, W1).
     "plateau32": Setting("plateau32", seeds=(0, 1, 2), cap_factor=6, eval_every=100, plateau_window=20,
-                         row_seeds=(("mlp_lm", 5), ("titans_mac", 5), ("titans_mac_inputs", 5))),
+                         row_seeds=(("mlp_lm", 5), ("titans_mac", 5), ("titans_mac_inputs", 5),
+                                    ("transformer_window_reach", 5))),
     # Issue 48's second shape: length 128, 8 pairs (tested on 8 and 16, at 128 and 256), window and MAC
     # segment T/8 = 16, Mela's decoder chunk T/2 = 64 (P 32, C 2: the paper's chunk : length ratio), memory
     # chunks of 8, 5 seeds. The Transformer++'s steps: 1,300 (seed 0 at lr 3e-3 reached 0.99 there, 0.95 at 1,000; lr
