@@ -73,7 +73,7 @@ def within_reach(inputs: torch.Tensor, targets: torch.Tensor, reach: int) -> tor
     (the distance `answers` reports). The pair is the key's first occurrence: the pairs open
     the sequence and their keys are distinct."""
     first = (inputs[:, :, None] == inputs[:, None, :]).int().argmax(-1)  # (B, T): where each token first occurs
-    return targets.masked_fill(torch.arange(inputs.shape[1]) - first > reach, IGNORE)
+    return targets.masked_fill(torch.arange(inputs.shape[1], device=inputs.device) - first > reach, IGNORE)
 
 
 def mixed_batch(tasks: "Task | tuple[Task, ...]", size: int, generator: torch.Generator
