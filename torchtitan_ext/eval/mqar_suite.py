@@ -155,7 +155,8 @@ SETTINGS = {
     # trial (vocabulary 256 at length 64 needed twice the steps at twice the batch).
     "full": Setting("full"),
     # Issue 48: the full shape trained to the plateau (cap 5,400 steps), 3 seeds (5 for the rows whose verdict turned
-    # on the seed; for the reach control, whether it holds inside its window: HYPOTHESES.md HR2). Plateau window 20 evaluations = 2,000 flat steps (at both shapes; 10 before 2026-11-28T05:21:08Z:
+    # on the seed; for the reach control, whether it holds inside its window: HYPOTHESES.md HR2). Plateau window 20
+    # evaluations = 2,000 flat steps (at both shapes; 10 before 2026-11-28T05:21:08Z:
     # docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md, W1).
     "plateau32": Setting("plateau32", seeds=(0, 1, 2), cap_factor=6, eval_every=100, plateau_window=20,
                          row_seeds=(("mlp_lm", 5), ("titans_mac", 5), ("titans_mac_inputs", 5),
@@ -178,8 +179,8 @@ SETTINGS = {
 # Cheapest first (Mela's HMM costs ~40x a Transformer++ step here), so a run cut short keeps most rows.
 ROWS = ("transformer_full", "transformer_window", "transformer_window_reach", "mlp_lm", "titans_lmm", "titans_mac",
         "titans_mac_inputs", "titans_mag", "titans_mal", "mela_memory_off", "mela")
-WINDOWED = {"transformer_window", "transformer_window_reach", "titans_mac", "titans_mac_inputs", "titans_mag", "titans_mal",
-            "mela", "mela_memory_off"}
+WINDOW_ONLY = {"transformer_window", "transformer_window_reach"}  # the Transformer++ with `WindowedSDPA`
+WINDOWED = {*WINDOW_ONLY, "titans_mac", "titans_mac_inputs", "titans_mag", "titans_mal", "mela", "mela_memory_off"}
 
 
 def row_spec(name: str, s: Setting) -> tuple[str, dict]:
@@ -235,7 +236,7 @@ def build_row(name: str, s: Setting, **overrides) -> torch.nn.Module:
     """The row's model; `overrides` replace config fields of its `row_spec` (follow-up studies)."""
     family, fields = row_spec(name, s)
     model = mqar.build_model(family, **{**fields, **overrides})
-    if name.startswith("transformer_window"):
+    if name in WINDOW_ONLY:
         for layer in model.layers.values():
             layer.attention.inner_attention = WindowedSDPA(s.window)
     return model
@@ -460,7 +461,7 @@ def state_bytes_of(name: str, s: Setting, model: torch.nn.Module) -> int:
             return state_bytes(model.stream(tokens)[1])
     _, fields = row_spec(name, s)
     kv_heads = fields.get("n_kv_heads") or fields["n_heads"]
-    span = s.window if name.startswith("transformer_window") else s.train_len
+    span = s.window if name in WINDOW_ONLY else s.train_len
     return 2 * s.layers * span * kv_heads * (s.width // s.heads) * 4
 
 
