@@ -166,3 +166,19 @@ def test_locas_forgetting_scores_the_merged_export_and_the_baseline_through_lm_e
         locas_forgetting.main(["--model", f"baseline={tmp_path}", "--tasks", "tiny_mc", "--out", str(tmp_path / "bad")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert stop.value.code == 2 and len(err) == 1 and "no config.json" in err[0]
+
+
+def test_a_local_task_folder_holding_every_task_is_indexed_alone_and_once(tmp_path, monkeypatch):
+    """lm_eval's own index of thousands of task YAMLs (~27 s) is built only for a task the
+    folder does not hold, and each index once per process."""
+    from torchtitan_ext.eval import zero_shot
+
+    folder = str(zero_shot.write_cloze_task(tmp_path / "tasks", items=4))
+    local = zero_shot.task_manager([zero_shot.CLOZE_TASK], folder)
+    assert local.all_tasks == [zero_shot.CLOZE_TASK]
+    assert zero_shot.task_manager([zero_shot.CLOZE_TASK], folder) is local
+    built = []
+    monkeypatch.setattr(zero_shot, "_task_index", lambda path, defaults: built.append(defaults) or local)
+    zero_shot.task_manager([zero_shot.CLOZE_TASK, "piqa"], folder)  # piqa is lm_eval's: the full index
+    zero_shot.task_manager(["piqa"], None)
+    assert built == [False, True, True]
