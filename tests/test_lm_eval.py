@@ -175,7 +175,7 @@ def test_a_local_task_folder_holding_every_task_is_indexed_alone_and_once(tmp_pa
 
     folder = str(zero_shot.write_cloze_task(tmp_path / "tasks", items=4))
     local = zero_shot.task_manager([zero_shot.CLOZE_TASK], folder)
-    assert local.all_tasks == [zero_shot.CLOZE_TASK]
+    assert local.all_tasks == local.all_subtasks == [zero_shot.CLOZE_TASK]
     assert zero_shot.task_manager([zero_shot.CLOZE_TASK], folder) is local
     built = []
     monkeypatch.setattr(zero_shot, "_task_index", lambda path, defaults: built.append(defaults) or local)

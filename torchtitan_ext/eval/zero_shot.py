@@ -99,10 +99,11 @@ def _task_index(include_path: str | None, include_defaults: bool):
 def task_manager(tasks: list[str], include_path: str | None):
     """lm_eval's TaskManager for `tasks`, built once per process: its index of lm_eval's own
     task YAML (thousands of files) takes ~27 s on 2 CPU cores, so when include_path holds
-    every task named, only include_path is indexed."""
+    every task named as a task (a group or tag there may name lm_eval's own tasks), only
+    include_path is indexed."""
     if include_path:
         local = _task_index(include_path, False)
-        if set(tasks) <= set(local.all_tasks):
+        if set(tasks) <= set(local.all_subtasks):
             return local
     return _task_index(include_path, True)
 
