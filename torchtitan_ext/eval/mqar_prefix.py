@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.errors import UserError
-from torchtitan_ext.eval import mqar, mqar_suite
+from torchtitan_ext.eval import mqar, mqar_suite, mqar_verdicts
 from torchtitan_ext.eval.stats import fisher_greater
 from torchtitan_ext.training.checkpoints import causal_logits
 
@@ -78,12 +78,8 @@ def split_at(window: int, *profiles: dict[str, list[int]]) -> tuple[list[int], l
     the others: those no attention spanning `window` tokens reaches directly, so only a memory
     or stacked windows answer them), pooled over tasks' {str(distance): [right, asked]}. A
     chunk-local decoder (Mela's, P*C = mela_span) reaches only pairs in its own chunk."""
-    inside, beyond = [0, 0], [0, 0]
-    for profile in profiles:
-        for d, (right, asked) in profile.items():
-            side = inside if int(d) <= window else beyond
-            side[0] += right
-            side[1] += asked
+    inside, beyond = mqar_verdicts.distance_bins(
+        ((int(d), right, asked) for profile in profiles for d, (right, asked) in profile.items()), (window,))
     return inside, beyond
 
 

@@ -63,21 +63,25 @@ def summaries(results: dict) -> dict:
             for name, row in results["rows"].items()}
 
 
-def binned_counts(row: dict, edges: tuple[int, ...], length: int | None = None, key: str | None = None) -> list[list[int]]:
-    """[right, asked] per distance bin of the row's queries (every seed and prompt) by how many
-    tokens back their pair lies: d <= edges[0], edges[0] < d <= edges[1], ..., d > edges[-1]
-    (len(edges) + 1 bins); only tasks of length `length` (None: all), or only task `key`."""
+def distance_bins(counted, edges: tuple[int, ...]) -> list[list[int]]:
+    """[right, asked] per distance bin of `counted`, (distance, right, asked) triples: d <=
+    edges[0], edges[0] < d <= edges[1], ..., d > edges[-1] (len(edges) + 1 bins)."""
     counts = [[0, 0] for _ in range(len(edges) + 1)]
-    for seed in row["seeds"].values():
-        for name, task in seed["tasks"].items():
-            if (length is not None and task["length"] != length) or (key is not None and name != key):
-                continue
-            for right, far in zip(task["correct"], task["distance"]):
-                for ok, d in zip(right, far):
-                    side = counts[sum(d > edge for edge in edges)]
-                    side[0] += ok
-                    side[1] += 1
+    for d, right, asked in counted:
+        side = counts[sum(d > edge for edge in edges)]
+        side[0] += right
+        side[1] += asked
     return counts
+
+
+def binned_counts(row: dict, edges: tuple[int, ...], length: int | None = None, key: str | None = None) -> list[list[int]]:
+    """[right, asked] per distance bin (`distance_bins`) of the row's queries (every seed and
+    prompt) by how many tokens back their pair lies; only tasks of length `length` (None: all),
+    or only task `key`."""
+    tasks = [task for seed in row["seeds"].values() for name, task in seed["tasks"].items()
+             if (length is None or task["length"] == length) and (key is None or name == key)]
+    return distance_bins(((d, ok, 1) for task in tasks for right, far in zip(task["correct"], task["distance"])
+                          for ok, d in zip(right, far)), edges)
 
 
 def split_counts(row: dict, window: int, length: int | None = None, key: str | None = None) -> dict:
