@@ -417,3 +417,25 @@ def test_runs_train_with_subnormals_flushed_and_the_setting_is_restored(tmp_path
         assert not flushing_denormals()
     finally:
         torch.set_flush_denormal(before)
+
+
+def test_both_plots_draw_every_row_past_ten(tmp_path, monkeypatch):
+    """tab10 has 10 colours: an 11th row (plateau32's Mela) was left out of both PNGs, no word said."""
+    from torchtitan_ext.eval import mqar_report
+
+    names = [f"row{i}" for i in range(12)]
+    setting = {"train_kv": [2], "batch_size": 4, "train_len": 16, "eval_kv": [2], "eval_lengths": [16, 32]}
+    curve = [[100, {"2": 0.5}], [200, {"2": 0.9}]]
+    results = {"setting": setting,
+               "rows": {n: {"cost": {"train_flops_per_token": 1e3}, "seeds": {"0": {"curve_by_kv": curve}}} for n in names},
+               "summary": {n: {mqar_verdicts.task_key(2, length): {"pooled": 0.5, "ci95": [0.4, 0.6]} for length in (16, 32)}
+                           for n in names}}
+    drawn = []
+    save = mqar_report._save
+    monkeypatch.setattr(mqar_report, "_save", lambda plt, fig, axes, path: drawn.append(
+        axes[0].get_legend_handles_labels()) or save(plt, fig, axes, path))
+    for draw in (mqar_report.plot_flops, mqar_report.plot):  # a line each, or an errorbar container
+        draw(results, tmp_path / "plot.png")
+        handles, labels = drawn.pop()
+        assert labels == names
+        assert len({(h.lines[0] if hasattr(h, "lines") else h).get_color() for h in handles}) == len(names)

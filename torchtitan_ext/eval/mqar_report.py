@@ -196,15 +196,17 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _figure(panels: int):
-    """(pyplot, figure, its `panels` axes in a row, the colour cycle); matplotlib's Agg backend."""
+def _figure(panels: int, rows: int):
+    """(pyplot, figure, its `panels` axes in a row, a colour for each of `rows` rows: tab10's,
+    then tab20's lighter tints, repeated past 20 rather than a row left out); Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
-    return plt, fig, axes[0], plt.get_cmap("tab10").colors
+    palette = [*plt.get_cmap("tab10").colors, *plt.get_cmap("tab20").colors[1::2]]
+    return plt, fig, axes[0], [palette[i % len(palette)] for i in range(rows)]
 
 
 def _save(plt, fig, axes, path: Path) -> None:
@@ -217,7 +219,7 @@ def _save(plt, fig, axes, path: Path) -> None:
 def plot(results: dict, path: Path) -> None:
     """Accuracy by length, one panel per key-value count, every row its own colour."""
     s = results["setting"]
-    plt, fig, axes, colours = _figure(len(s["eval_kv"]))
+    plt, fig, axes, colours = _figure(len(s["eval_kv"]), len(results["summary"]))
     for ax, kv in zip(axes, s["eval_kv"]):
         for colour, (name, table) in zip(colours, results["summary"].items()):
             lengths = [n for n in s["eval_lengths"] if task_key(kv, n) in table]
@@ -240,7 +242,7 @@ def plot_flops(results: dict, path: Path) -> None:
     count) and a band from the lowest to the highest seed (module docstring: a stopped run
     holds its last accuracy)."""
     s = results["setting"]
-    plt, fig, axes, colours = _figure(len(s["train_kv"]))
+    plt, fig, axes, colours = _figure(len(s["train_kv"]), len(results["rows"]))
     for ax, kv in zip(axes, s["train_kv"]):
         for colour, (name, row) in zip(colours, results["rows"].items()):
             per_step = row["cost"]["train_flops_per_token"] * s["batch_size"] * s["train_len"]
