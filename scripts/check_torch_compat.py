@@ -19,8 +19,8 @@ the environment's interpreter). One line per case:
 grad_norm, or the two differ by at most one unit of the last printed digit (torchtitan prints the
 loss to 5 decimals and grad_norm to 4, so a printed grad_norm below 1 cannot resolve 1e-4).
 The gaps printed are relative (|side - pinned| / |pinned|), their maximum over the steps.
-mela_debug trains at lr 1e-3 instead of its 3e-3 (as tests/test_training_modes.py compares its
-modes): at 3e-3 a loss spike at steps 8-10 amplifies rounding differences past 1e-4.
+mela_debug trains at lr 1e-3 instead of its 3e-3: over 10 steps at 3e-3 a loss spike at steps
+8-10 amplifies rounding differences past 1e-4.
 
 Writes the run folder outputs/torch_compat/<date-time>/: results.txt (the versions and the
 lines), results.json (every step's values), <config>/seed, <config>/<case>-<env>/ (dump folders)

@@ -1,7 +1,7 @@
 """The compile-time benchmark (scripts/bench_compile.py) compiles the block it times: one row per
 (length, mode, backend), the compiled block's output equal to the uncompiled one. "block" mode
 only: the regional mode compiles its chunk steps with Inductor (minutes on CPU); its training
-run is held to eager in tests/test_training_modes.py."""
+run is held to eager in tests/test_training.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@
   last finished step, exit 75, and the rerun continues bit for bit.
 - A full disk during a save: one line, exit 4, the rerun resumes from the step before.
 - Non-finite values (NaN injected into the embedding, tests/fault_configs.py): the step is
-  skipped, counted and named; too many in a row stop the run with one line and exit 3."""
+  skipped, counted and named; too many in a row stop the run with one line and exit 3; a loss
+  that diverges by itself stops at its first non-finite step when no skip is allowed."""
 
 from __future__ import annotations
 
@@ -220,6 +221,20 @@ def test_a_non_finite_step_on_one_rank_is_skipped_by_both_and_counted(tmp_path):
     assert steps == {4.0} and state["lr_scheduler"]["last_epoch"] == 4 and state["train_state"]["step"] == 6
     weights = [v for k, v in state.items() if isinstance(v, torch.Tensor)]
     assert weights and all(torch.isfinite(w).all() for w in weights)
+
+
+def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_checkpoint(tokenizer_dir, tmp_path):
+    """A loss that diverges by itself (tests/nan_configs.py, 1 process): with no skips allowed
+    (`--training.max_nonfinite_skips 0`) its first non-finite step stops the run (exit 3) and
+    every checkpoint written before it is whole."""
+    run = train(["--module", "nan_configs", "--config", "transformer_diverging", "--training.steps", "30",
+                 "--checkpoint.interval", "1", "--training.max_nonfinite_skips", "0", "--validator.no-enable",
+                 "--dump_folder", str(tmp_path)])
+    assert run.returncode == 3, run.output[-2000:]
+    assert "not finite at step" in run.output and "Checkpoints written" in run.output
+    failed_at = max(run.losses) + 1 if run.losses else 1
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*"))
+    assert saved and max(saved) < failed_at and all((tmp_path / "checkpoint" / f"step-{s}" / ".metadata").exists() for s in saved)
 
 
 def test_too_many_non_finite_steps_in_a_row_stop_with_one_line_and_exit_3(tmp_path):

@@ -1,9 +1,8 @@
-"""End-to-end training through scripts/train.sh (torchrun, gloo, CPU) on one and two
-processes and two nodes. Slow: about 10 minutes."""
+"""End-to-end training through scripts/train.sh (torchrun, gloo, CPU): one and two processes, two
+nodes, the compile and activation-checkpointing modes, each against one 1-process run per family
+from its seed checkpoint. Slow: about 12 minutes."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 
@@ -12,6 +11,29 @@ from training_runs import CONFIGS, relative_gap, seeded_folder, SHORT, SHORT_STE
 
 pytestmark = pytest.mark.slow
 
+BATCH = ["--training.global_batch_size", "4"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tokenizer_dir, seed_cache):
+    """`launched(family, nproc)` -> (dump folder, Run): SHORT steps from the family's seed
+    checkpoint at global batch 4 on `nproc` processes (one process: the memory families log
+    their diagnostics to wandb too), launched once per module and shared by the tests that
+    compare against it (1-vs-2 processes, the modes, two nodes)."""
+    runs = {}
+
+    def launch(family: str, nproc: int):
+        if (family, nproc) not in runs:
+            folder = tmp_path_factory.mktemp(f"{family}_{nproc}")
+            seeded_folder(family, folder, seed_cache)
+            wandb = ["--metrics.enable-wandb"] if family in MEMORY_DIAGNOSTICS and nproc == 1 else []
+            run = train(CONFIGS[family] + SHORT + BATCH + wandb + ["--dump_folder", str(folder)], nproc=nproc)
+            assert run.returncode == 0, run
+            runs[family, nproc] = folder, run
+        return runs[family, nproc]
+
+    return launch
+
 
 # MAG and MAL share MAC's and LMM's memory module, FSDP plan and compile (torchtitan_ext/families/
 # titans.py), which the 1-vs-2 test holds; they are trained on one process only (below).
@@ -19,16 +41,10 @@ ONE_PROCESS_ONLY = ("titans_mag", "titans_mal")
 
 
 @pytest.mark.parametrize("family", sorted(set(CONFIGS) - set(ONE_PROCESS_ONLY)))
-def test_one_and_two_processes_give_the_same_losses(family, tokenizer_dir, seed_cache, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    seeded_folder(family, one, seed_cache)
-    shutil.copytree(one, two)
-    batch = ["--training.global_batch_size", "4"]
-    wandb = ["--metrics.enable-wandb"] if family in MEMORY_DIAGNOSTICS else []
-    single = train(CONFIGS[family] + SHORT + batch + wandb + ["--dump_folder", str(one)])
+def test_one_and_two_processes_give_the_same_losses(family, launched):
+    one, single = launched(family, 1)
+    _, double = launched(family, 2)
     # The recipe's local batch of 4 is fitted to the global batch on 2 ranks (2 each), no flag.
-    double = train(CONFIGS[family] + SHORT + batch + ["--dump_folder", str(two)], nproc=2)
-    assert single.returncode == 0 and double.returncode == 0, (single, double)
     assert "local batch 4 -> 2 sequences to fit the global batch of 4 on 2 ranks" in double.output
     # Mela's Newton-Schulz writes at every L- and H-step amplify fp32 reduction-order
     # differences: 1.04e-3 at most since the memory's stacked-state rewrite (equal in float64).
@@ -43,9 +59,36 @@ def test_one_and_two_processes_give_the_same_losses(family, tokenizer_dir, seed_
         assert all(f"{name}".encode() in logged for name in MEMORY_DIAGNOSTICS[family])
 
 
+# Each family's other modes, held to its 1-process run in its default mode (transformer:
+# selective AC; Mela and Titans debug: no AC). Titans compiles by region
+# (torchtitan_ext/families/titans.py `compile_regions`), its chunk loop eager. The grafts'
+# compiled blocks are held to eager in tests/test_memory_llama.py and tests/test_mone.py (a
+# block-level torch.compile, what torchtitan's per-block compile does), their full AC there too.
+MODES = {
+    "transformer": {"compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"],
+                    "no-ac": ["activation-checkpoint:none"]},
+    "mela": {"compiled": ["--compile.enable"], "full-ac": ["activation-checkpoint:full"]},
+    "titans_mac": {"compiled": ["--compile.enable"]},
+}
+# Compiled and recomputed paths round differently from eager (1e-6 at step 2). A wrong
+# compiled or recomputed path shows gaps of 1e-2 and more.
+MODE_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(MODES))
+def test_compile_and_activation_checkpointing_modes_agree(family, launched, seed_cache, tmp_path):
+    _, reference = launched(family, 1)
+    for name, extra in MODES[family].items():
+        folder = tmp_path / name
+        seeded_folder(family, folder, seed_cache)
+        run = train(CONFIGS[family] + SHORT + BATCH + ["--dump_folder", str(folder)] + extra)  # a subcommand last
+        assert run.returncode == 0, run
+        assert relative_gap(reference.losses, run.losses) < MODE_TOLERANCE, (name, reference.losses, run.losses)
+
+
 @pytest.mark.parametrize("family", ONE_PROCESS_ONLY)
 def test_the_other_titans_variants_learn_through_the_launcher(family, tokenizer_dir, tmp_path):
-    run = train(CONFIGS[family] + SHORT + ["--training.global_batch_size", "4", "--dump_folder", str(tmp_path)])
+    run = train(CONFIGS[family] + SHORT + BATCH + ["--dump_folder", str(tmp_path)])
     assert run.returncode == 0, run
     # measured falls over the 6 steps: 1.38 (MAG), 1.58 (MAL)
     assert sorted(run.losses) == list(range(1, SHORT_STEPS + 1)) and run.losses[SHORT_STEPS] < run.losses[1] - 0.5
@@ -66,22 +109,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_give_the_losses_of_one_node_with_two_processes(tokenizer_dir, seed_cache, tmp_path):
+def test_two_nodes_give_the_losses_of_one_node_with_two_processes(launched, seed_cache, tmp_path):
     """Two launches of scripts/train.sh on this machine as NNODES=2 (c10d rendezvous at
     127.0.0.1, one process each) train as one node with two processes, from one seed."""
     from concurrent.futures import ThreadPoolExecutor
 
-    one_node, two_nodes = tmp_path / "one_node", tmp_path / "two_nodes"
-    seeded_folder("transformer", one_node, seed_cache)
-    shutil.copytree(one_node, two_nodes)
-    args = CONFIGS["transformer"] + SHORT + ["--training.global_batch_size", "4"]
-    single = train(args + ["--dump_folder", str(one_node)], nproc=2)
+    _, single = launched("transformer", 2)
+    two_nodes = tmp_path / "two_nodes"
+    seeded_folder("transformer", two_nodes, seed_cache)
+    args = CONFIGS["transformer"] + SHORT + BATCH + ["--dump_folder", str(two_nodes)]
     port = free_port()
     node_env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RDZV_ID": f"two-nodes-{port}"}
     with ThreadPoolExecutor(2) as pool:
-        nodes = list(pool.map(lambda node: train(args + ["--dump_folder", str(two_nodes)], nproc=1,
-                                                 env=node_env | {"LOG_DIR": str(tmp_path / f"logs{node}")}), range(2)))
-    assert single.returncode == 0 and all(n.returncode == 0 for n in nodes), (single, nodes)
+        nodes = list(pool.map(lambda node: train(args, nproc=1, env=node_env | {"LOG_DIR": str(tmp_path / f"logs{node}")}),
+                              range(2)))
+    assert all(n.returncode == 0 for n in nodes), nodes
     logged = max(nodes, key=lambda n: len(n.losses))  # the node holding global rank 0 prints the steps
     assert relative_gap(single.losses, logged.losses) < 1e-5
     assert "2 node(s) x 1 process(es)" in nodes[0].output

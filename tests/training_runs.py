@@ -14,8 +14,6 @@ CONFIGS = {
     "mela": ["--module", "train_configs.mela", "--config", "mela_debug"],
     "backbone": ["--module", "train_configs.backbone", "--config", "backbone_qwen3_debug"],
 } | {f"titans_{v}": ["--module", "train_configs.titans", "--config", f"titans_{v}_debug"] for v in ("mac", "mag", "mal", "lmm")}
-# Grafted backbones (frozen random weights from a seed: they learn too little for the 1-vs-2 test's bar).
-GRAFTS = {"memoryllama": ["--module", "train_configs.backbone", "--config", "memoryllama_alma_debug"]}
 SHORT_STEPS = 6  # a launch costs ~15 s before and after its steps of ~1 s: a few steps suffice
 SHORT = ["--training.steps", str(SHORT_STEPS), "--validator.no-enable", "--debug.seed", "0"]
 
@@ -31,7 +29,7 @@ def seeded_folder(family: str, folder: Path, cache: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (seed / "checkpoint" / "step-0" / ".metadata").exists():
             shutil.rmtree(seed, ignore_errors=True)
-            run = train((CONFIGS | GRAFTS)[family] + SHORT
+            run = train(CONFIGS[family] + SHORT
                         + ["--dump_folder", str(seed), "--checkpoint.create-seed-checkpoint"])
             assert run.returncode == 0 and (seed / "checkpoint" / "step-0" / ".metadata").exists(), run
     shutil.copytree(seed / "checkpoint" / "step-0", folder / "checkpoint" / "step-0")
