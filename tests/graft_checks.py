@@ -1,7 +1,7 @@
 """Checks every memory graft's tests share (tests/test_memory_llama.py, tests/test_mone.py,
 tests/test_gradmem.py):
 frozen backbone and graft-only optimizer state of a finetune, remote-code export, the
-compiled block, and 1-vs-2-process / full-AC runs from one seed checkpoint."""
+compiled block, full activation checkpointing, and 1-vs-2-process runs from one seed checkpoint."""
 
 from __future__ import annotations
 
@@ -60,26 +60,50 @@ def assert_compiled_block_equals_eager(block: torch.nn.Module, x: torch.Tensor, 
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
 
+def assert_full_ac_equals_eager(model: torch.nn.Module, x: torch.Tensor) -> None:
+    """torchtitan's full activation checkpointing applied as the recipe applies it
+    (`activation-checkpoint:full`: parallelize_llama's `ac_config.build().apply(model)`, every
+    block of `model.layers` recomputed in the backward) leaves the next-token loss and the
+    gradient of every trainable tensor as eager's, to rounding: a memory written again while a
+    block is recomputed, or a state the recomputation misses, moves them."""
+    import copy
+
+    import torch.nn.functional as F
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    recomputed = copy.deepcopy(model)
+    FullAC.Config().build().apply(recomputed)
+    assert all(type(block).__name__ == "CheckpointWrapper" for block in recomputed.layers.values())
+    results = []
+    for run in (model, recomputed):
+        logits = run(x)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        trainable = [p for p in run.parameters() if p.requires_grad]
+        results.append((loss, torch.autograd.grad(loss, trainable)))
+    (loss, grads), (loss_ac, grads_ac) = results
+    assert grads and len(grads) == len(grads_ac)
+    torch.testing.assert_close(loss_ac, loss, rtol=1e-6, atol=0)
+    for ac, eager in zip(grads_ac, grads):
+        torch.testing.assert_close(ac, eager, rtol=1e-6, atol=1e-9)
+
+
 def assert_seeded_runs_agree(config: str, tmp_path, short: list[str]):
-    """From one seed checkpoint, `short` steps on 1 process, 2 processes and 1 with full AC:
-    2 processes within 1e-3 of one, full AC within 1e-4; then the seed's frozen tensors are
-    unchanged and every graft tensor moved in the 1- and 2-process checkpoints. Returns the
-    1-process run and its folder."""
+    """From one seed checkpoint, `short` steps on 1 process and on 2: within 1e-3; then the
+    seed's frozen tensors are unchanged and every graft tensor moved in both checkpoints.
+    Returns the 1-process run and its folder. (Full activation checkpointing is held to eager
+    in process: `assert_full_ac_equals_eager`.)"""
     from conftest import train
     from torchtitan_ext.training.checkpoints import build_model, load_dcp_model
 
     args = ["--module", CONFIG_MODULE, "--config", config] + short
-    one, two, full = tmp_path / "one", tmp_path / "two", tmp_path / "full"
+    one, two = tmp_path / "one", tmp_path / "two"
     seed = train(args + ["--dump_folder", str(one), "--checkpoint.create-seed-checkpoint"])
     assert seed.returncode == 0, seed
-    for folder in (two, full):
-        shutil.copytree(one, folder)
+    shutil.copytree(one, two)
     single = train(args + ["--dump_folder", str(one)])
     double = train(args + ["--dump_folder", str(two)], nproc=2)
-    recomputed = train(args + ["--dump_folder", str(full), "activation-checkpoint:full"])
-    assert all(r.returncode == 0 for r in (single, double, recomputed)), (single, double, recomputed)
+    assert single.returncode == 0 and double.returncode == 0, (single, double)
     assert max(abs(single.losses[s] - double.losses[s]) / single.losses[s] for s in single.losses) < 1e-3
-    assert max(abs(single.losses[s] - recomputed.losses[s]) / single.losses[s] for s in single.losses) < 1e-4
 
     last = max(single.losses)
     seeded, _ = build_model(CONFIG_MODULE, config)

@@ -453,8 +453,17 @@ def test_the_compiled_block_equals_eager():
     assert_compiled_block_equals_eager(awaken(tiny()).layers["2"], x, torch.arange(x.shape[1]).expand(2, -1), None)
 
 
+@pytest.mark.parametrize("update", ["muon", "titans"])
+def test_full_activation_checkpointing_equals_eager(update):
+    """Every block recomputed in the backward, as `activation-checkpoint:full` trains: six
+    chunks, each update rule."""
+    from graft_checks import assert_full_ac_equals_eager
+
+    assert_full_ac_equals_eager(awaken(tiny(update=update)), tokens())
+
+
 @pytest.mark.slow
-def test_one_and_two_processes_and_full_ac_from_one_seed_agree_and_keep_the_backbone(tmp_path):
+def test_one_and_two_processes_from_one_seed_agree_and_keep_the_backbone(tmp_path):
     from graft_checks import assert_seeded_runs_agree
 
     assert_seeded_runs_agree("memoryllama_alma_debug", tmp_path, ["--training.steps", "4", "--validator.no-enable",
