@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from torchtitan_ext.eval import leaderboard_cells
 from torchtitan_ext.eval.leaderboard import combine, verdict
 from torchtitan_ext.eval.leaderboard_launch import built_model, non_embedding_params, trainable_params
 from torchtitan_ext.eval.leaderboard_suites import BABILONG_TASKS, EXPLORATORY, HYPOTHESES, SUITES
+from training_runs import pretrained_backbone
 
 
 TEST_TIME = [row.name for row in SUITES["ci"].rows if row.kind == "test_time"]
@@ -40,11 +42,14 @@ def leaderboard(*args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def ci_run(tmp_path_factory, tokenizer_dir):
+def ci_run(tmp_path_factory, tokenizer_dir, seed_cache):
     """The ci suite's TEST_ROWS run twice into one folder, mela's cell stripped of its zero-shot
     scores between the runs (a cell finished before that column): (folder, first run, second
-    run, mela's zero-shot scores of the first run)."""
+    run, mela's zero-shot scores of the first run). The folder starts with the session's
+    pretrained backbone (tests/training_runs.py `pretrained_backbone`, the script run as the
+    suite runs it: `test_the_backbone_is_pretrained_once_as_the_suite_asks`)."""
     out = tmp_path_factory.mktemp("leaderboard")
+    shutil.copytree(pretrained_backbone(seed_cache)[0], out / "backbone")
     first = leaderboard("--suite", "ci", "--rows", ",".join(TEST_ROWS), "--out", str(out))
     mela = out / "cells" / "mela" / "seed0.json"
     cell = json.loads(mela.read_text()) if mela.is_file() else {}
@@ -92,6 +97,26 @@ def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
     assert all(f"| {name} |" in markdown for name in results["rows"]) and "not run" in markdown
     assert (out / "ppl_vs_length.png").stat().st_size and (out / "recall_vs_length.png").stat().st_size
     assert list((out / "runs" / "mela" / "seed0").glob("**/wandb/offline-run-*")), "no offline wandb run"
+
+
+def test_the_backbone_is_pretrained_once_as_the_suite_asks(monkeypatch, tmp_path):
+    """`backbone_folder` runs scripts/pretrain_backbone.sh into out/backbone with the suite's
+    STEPS and NIAH_SAMPLES in the launcher's environment, and not again once out/hf holds a
+    config (how the ci fixture's copy of the session's backbone is taken)."""
+    calls = []
+
+    def pretrain(command, cwd, env, check, stdout):
+        calls.append((command, env))
+        (tmp_path / "backbone" / "hf").mkdir(parents=True)
+        (tmp_path / "backbone" / "hf" / "config.json").write_text("{}")
+
+    monkeypatch.setattr(leaderboard_cells.subprocess, "run", pretrain)
+    ci = SUITES["ci"]
+    for _ in range(2):
+        assert leaderboard_cells.backbone_folder(tmp_path / "backbone", ci) == tmp_path / "backbone" / "hf"
+    ((command, env),) = calls
+    assert command == ["bash", "scripts/pretrain_backbone.sh", str(tmp_path / "backbone")]
+    assert env == {**leaderboard_cells.train_env(), "STEPS": str(ci.backbone_steps), "NIAH_SAMPLES": str(ci.recall_samples)}
 
 
 @pytest.mark.slow

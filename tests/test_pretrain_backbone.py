@@ -1,6 +1,7 @@
-"""scripts/pretrain_backbone.sh end to end at 4 steps: its Hugging Face folder loads in transformers
-with our checkpoint's logits, niah.json holds the S-NIAH figure; bad input is one line, exit 2;
-the mixed text-and-task rows it trains on (torchtitan_ext/data/mixed_data.py)."""
+"""scripts/pretrain_backbone.sh end to end at the ci leaderboard suite's settings (10 steps, 1
+S-NIAH sample; run once for this file and the leaderboard's ci fixture): its Hugging Face folder
+loads in transformers with our checkpoint's logits, niah.json holds the S-NIAH figure; bad input
+is one line, exit 2; the mixed text-and-task rows it trains on (torchtitan_ext/data/mixed_data.py)."""
 
 from __future__ import annotations
 
@@ -17,26 +18,27 @@ from transformers import AutoModelForCausalLM
 from conftest import REPO
 from torchtitan_ext.data.mixed_data import MixedDataLoader
 from torchtitan_ext.data.tokenizer import AssetsTokenizer
+from torchtitan_ext.eval.leaderboard_suites import SUITES
 from torchtitan_ext.training.checkpoints import model_from_checkpoint
+from training_runs import pretrained_backbone
 
 
-def pretrain(*args: str, steps: int = 4) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SKIP_SETUP": "1", "SKIP_PREFLIGHT": "1", "STEPS": str(steps), "NIAH_SAMPLES": "4"}
-    return subprocess.run(["bash", str(REPO / "scripts" / "pretrain_backbone.sh"), *args, "--metrics.no-enable-wandb"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+def pretrain(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SKIP_SETUP": "1", "SKIP_PREFLIGHT": "1"}
+    return subprocess.run(["bash", str(REPO / "scripts" / "pretrain_backbone.sh"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
-def test_the_export_loads_in_transformers_with_our_logits_and_niah_json_is_written(tokenizer_dir, tmp_path):
-    out = tmp_path / "backbone"
-    proc = pretrain(str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().startswith("pretrain_backbone: S-NIAH ") and len(proc.stdout.strip().splitlines()) == 1
+def test_the_export_loads_in_transformers_with_our_logits_and_niah_json_is_written(tokenizer_dir, seed_cache):
+    out, stdout = pretrained_backbone(seed_cache)
+    ci = SUITES["ci"]
+    assert stdout.strip().startswith("pretrain_backbone: S-NIAH ") and len(stdout.strip().splitlines()) == 1
     niah = json.loads((out / "niah.json").read_text())
-    assert niah["window"] == 256 and niah["samples"] == 4 and 0.0 <= niah["exact_match"] <= 1.0
-    assert niah["interval"][0] <= niah["exact_match"] <= niah["interval"][1]
+    assert niah["window"] == 256 and niah["samples"] == ci.recall_samples and 0.0 <= niah["exact_match"] <= 1.0
+    assert niah["interval"][0] <= niah["exact_match"] <= niah["interval"][1] and niah["steps"] == ci.backbone_steps
     ours, _ = model_from_checkpoint("train_configs.backbone", "backbone_qwen3_pretrain",
-                                    out / "backbone" / "checkpoint" / "step-4")
+                                    out / "backbone" / "checkpoint" / f"step-{ci.backbone_steps}")
     theirs = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
     tokens = torch.randint(0, 4096, (2, 256), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
