@@ -260,7 +260,7 @@ HF_START = ["--module", "train_configs.backbone", "--config", "backbone_qwen3_de
 def test_training_starts_from_a_hugging_face_checkpoint(tokenizer_dir, tmp_path):
     """`--checkpoint.initial_load_in_hf` reads the weights through the backbone's adapter: at
     learning rate 0 the step-2 checkpoint holds the file's tensors bit for bit; at the debug
-    learning rate 20 steps lower the loss."""
+    learning rate 6 steps lower the loss (8.35 -> 7.50, measured 2026-11-30)."""
     from conftest import train
     from torchtitan_ext.training.checkpoints import build_model, load_dcp_model
 
@@ -273,10 +273,10 @@ def test_training_starts_from_a_hugging_face_checkpoint(tokenizer_dir, tmp_path)
     source = load_hf_backbone(tmp_path / "hf").state_dict()
     assert all(torch.equal(value, source[key]) for key, value in model.state_dict().items())
 
-    tuned = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "20",
+    tuned = train(HF_START + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "6",
                               "--dump_folder", str(tmp_path / "b")])
     assert tuned.returncode == 0, tuned
-    assert tuned.losses[20] < tuned.losses[1] - 0.5
+    assert tuned.losses[6] < tuned.losses[1] - 0.5
 
 
 def test_an_hf_checkpoint_of_another_shape_stops_before_training(tokenizer_dir, tmp_path):

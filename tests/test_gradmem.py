@@ -470,8 +470,8 @@ with torch.no_grad():
 @pytest.mark.slow
 def test_a_grafted_finetune_from_hugging_face_keeps_the_backbone_and_exports(tmp_path):
     """Through scripts/train.sh from a random tiny Qwen3 folder, GradMem + LoRA on KV-retrieval
-    rows with the context removed at read time: 20 steps lower the loss; the write's
-    diagnostics reach the console; every backbone tensor of the step-20 checkpoint is the
+    rows with the context removed at read time: 6 steps lower the loss (12.2 -> 11.3, measured
+    2026-11-30); the write's diagnostics reach the console; every backbone tensor of the step-6 checkpoint is the
     Hugging Face file's bit for bit, the optimizer holds only the LoRA and memory tensors, and
     the zero-initialised ones (LoRA's B, the write head's Delta) moved; the remote-code export
     reloads in a Python without the project and reproduces the native write + read within 1e-5."""
@@ -484,14 +484,14 @@ def test_a_grafted_finetune_from_hugging_face_keeps_the_backbone_and_exports(tmp
     config = ["--module", "train_configs.gradmem", "--config", "gradmem_qwen3_debug_tasks"]
     qwen3_debug_checkpoint(tmp_path / "hf")
     run = train(config + ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-                          "--validator.no-enable", "--training.steps", "20", "--checkpoint.interval", "20",
+                          "--validator.no-enable", "--training.steps", "6", "--checkpoint.interval", "6",
                           "--dump_folder", str(tmp_path / "run")])
     assert run.returncode == 0, run
-    assert run.losses[20] < run.losses[1] - 0.1, run.losses
+    assert run.losses[6] < run.losses[1] - 0.1, run.losses
     summaries = [line for line in run.output.splitlines() if " - memory: " in line]
     assert summaries and all(f"{name}: " in summaries[-1]
                              for name in ("update_ratio", "write_loss_first", "write_loss_last"))
-    step = tmp_path / "run" / "checkpoint" / "step-20"
+    step = tmp_path / "run" / "checkpoint" / "step-6"
     model = trained_from_hf("gradmem_qwen3_debug_tasks", step, tmp_path / "hf", "train_configs.gradmem")
     state = model.state_dict()  # zero-initialised graft tensors all moved: LoRA's B factors and the write head's Delta
     assert min(state[k].abs().max() for k in state if ".lora_B." in k or k.endswith("memory_write_head")) > 0

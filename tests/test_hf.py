@@ -193,7 +193,9 @@ def test_bad_input_one_line_exit_2_nothing_written(case, message, mlp_lm_export,
 @pytest.mark.slow
 def test_training_starts_from_converted_weights_seed_or_initial_load_in_hf(tokenizer_dir, tmp_path):
     """A seed checkpoint written by convert_from_hf.py and torchtitan's own HF initial load
-    give the same first losses, unlike a fresh start."""
+    give the same first losses. The seed's load is DCP's, strict (a missing tensor fails), and
+    convert_from_hf.py restores mela's weights bit for bit (the round trip above): so the HF
+    load matches only by loading every weight."""
     native(FAMILIES["mela"], tmp_path / "dcp")
     args = ["--module", "train_configs.mela", "--config", "mela_debug"]
     assert run_script("convert_to_hf.py", *args, "--checkpoint", tmp_path / "dcp", "--out", tmp_path / "hf") == 0
@@ -204,8 +206,7 @@ def test_training_starts_from_converted_weights_seed_or_initial_load_in_hf(token
         "seeded": train(args + short + ["--dump_folder", str(tmp_path / "seeded")]),
         "hf": train(args + short + ["--dump_folder", str(tmp_path / "hf_run"), "--checkpoint.initial_load_path",
                                     str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf"]),
-        "fresh": train(args + short + ["--dump_folder", str(tmp_path / "fresh")]),
     }
     assert all(r.returncode == 0 and len(r.losses) == 2 for r in runs.values()), runs
     assert "step-0" in runs["seeded"].output and "Loading from HF safetensors" in runs["hf"].output
-    assert runs["seeded"].losses == runs["hf"].losses != runs["fresh"].losses
+    assert runs["seeded"].losses == runs["hf"].losses

@@ -219,12 +219,13 @@ def step_ops(seq_len: int, whole_sequence: bool, **memory) -> collections.Counte
                                     {"gates": "chunk", "newton_schulz_steps": 5, "read_after_write": True}],
                          ids=["token_rule_checkpoint_4", "newton_schulz_rule"])
 def test_whole_sequence_launches_do_not_grow_with_length(memory):
-    """At T 4096 and 8192 a layer's training step dispatches the same ops, one forward and one
-    backward kernel among them; the chunk loop's count doubles (the counter sees the difference)."""
-    short, long = step_ops(4096, True, **memory), step_ops(8192, True, **memory)
+    """At T 2048 and 4096 (the paper's) a layer's training step dispatches the same ops, one
+    forward and one backward kernel among them; the chunk loop's count doubles (the counter sees
+    the difference)."""
+    short, long = step_ops(2048, True, **memory), step_ops(4096, True, **memory)
     assert short == long
     assert short["memory_kernels.whole_sequence_fwd.default"] == short["memory_kernels.whole_sequence_bwd.default"] == 1
-    loop_short, loop_long = sum(step_ops(4096, False, **memory).values()), sum(step_ops(8192, False, **memory).values())
+    loop_short, loop_long = sum(step_ops(2048, False, **memory).values()), sum(step_ops(4096, False, **memory).values())
     assert loop_long > 1.9 * loop_short > 10 * sum(short.values())
 
 
