@@ -18,12 +18,11 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, train, train_command, train_env
+from conftest import load_script, REPO, train, train_command, train_env
 from torchtitan_ext.training.run_log import parse_steps
 from training_runs import CONFIGS
 
@@ -79,18 +78,19 @@ def transformer_state() -> dict:
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGES))
-def test_a_damaged_step_is_skipped_for_the_newest_whole_one_and_refused_by_conversion(case, straight, tmp_path):
+def test_a_damaged_step_is_skipped_for_the_newest_whole_one_and_refused_by_conversion(case, straight, tmp_path, capsys):
     from torchtitan_ext.training.checkpoints import resume_step
 
     expected = damaged_copy(straight[0], tmp_path / "run", DAMAGES[case])
     step, damaged = resume_step(tmp_path / "run" / "checkpoint", transformer_state())
     assert step == INTERVAL and len(damaged) == 1 and damaged[0].startswith(f"{LAST}: ") and expected in damaged[0], damaged
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_to_hf.py"), *CONFIGS["transformer"],
-                           "--checkpoint", str(tmp_path / "run" / "checkpoint" / LAST), "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # the script's main, in this process
+        load_script("convert_to_hf").main([*CONFIGS["transformer"], "--checkpoint",
+                                           str(tmp_path / "run" / "checkpoint" / LAST), "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(lines) == 1 and expected in lines[0], lines
     assert not out.exists()
 
 
