@@ -69,11 +69,12 @@ def assert_full_ac_equals_eager(model: torch.nn.Module, x: torch.Tensor) -> None
     import copy
 
     import torch.nn.functional as F
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     recomputed = copy.deepcopy(model)
     FullAC.Config().build().apply(recomputed)
-    assert all(type(block).__name__ == "CheckpointWrapper" for block in recomputed.layers.values())
+    assert all(isinstance(block, CheckpointWrapper) for block in recomputed.layers.values())
     results = []
     for run in (model, recomputed):
         logits = run(x)

@@ -100,9 +100,9 @@ def test_the_ci_suite_writes_every_row_with_intervals(ci_run):
 
 
 def test_the_backbone_is_pretrained_once_as_the_suite_asks(monkeypatch, tmp_path):
-    """`backbone_folder` runs scripts/pretrain_backbone.sh into out/backbone with the suite's
-    STEPS and NIAH_SAMPLES in the launcher's environment, and not again once out/hf holds a
-    config (how the ci fixture's copy of the session's backbone is taken)."""
+    """`backbone_folder` runs `pretrain_command`: scripts/pretrain_backbone.sh into out/backbone
+    with the suite's STEPS and NIAH_SAMPLES in the launcher's environment, and not again once
+    out/hf holds a config (how the ci fixture's copy of the session's backbone is taken)."""
     calls = []
 
     def pretrain(command, cwd, env, check, stdout):

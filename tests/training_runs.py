@@ -38,11 +38,10 @@ def seeded_folder(family: str, folder: Path, cache: Path) -> None:
 
 def pretrained_backbone(cache: Path) -> tuple[Path, str]:
     """scripts/pretrain_backbone.sh's folder and printed summary at the ci leaderboard suite's
-    settings, as `leaderboard_cells.backbone_folder` runs it (its launcher environment, STEPS =
-    the suite's backbone_steps, NIAH_SAMPLES = its recall_samples), made once per session into
-    `cache` under a lock: tests/test_pretrain_backbone.py checks it, the ci fixture of
-    tests/test_leaderboard.py starts from a copy (its rows' backbone, not pretrained again)."""
-    from torchtitan_ext.eval.leaderboard_cells import train_env
+    settings, run as the suite runs it (`leaderboard_cells.pretrain_command`), made once per
+    session into `cache` under a lock: tests/test_pretrain_backbone.py checks it, the ci fixture
+    of tests/test_leaderboard.py starts from a copy (its rows' backbone, not pretrained again)."""
+    from torchtitan_ext.eval.leaderboard_cells import pretrain_command
     from torchtitan_ext.eval.leaderboard_suites import SUITES
 
     folder, summary = cache / "pretrained_backbone", cache / "pretrained_backbone.stdout"
@@ -50,10 +49,8 @@ def pretrained_backbone(cache: Path) -> tuple[Path, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not summary.exists():
             shutil.rmtree(folder, ignore_errors=True)
-            ci = SUITES["ci"]
-            env = {**train_env(), "STEPS": str(ci.backbone_steps), "NIAH_SAMPLES": str(ci.recall_samples)}
-            proc = subprocess.run(["bash", "scripts/pretrain_backbone.sh", str(folder)], cwd=REPO, env=env,
-                                  capture_output=True, text=True, timeout=900)
+            command, env = pretrain_command(folder, SUITES["ci"])
+            proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, proc.stdout + proc.stderr
             summary.write_text(proc.stdout)
     return folder, summary.read_text()

@@ -94,15 +94,21 @@ def train_args(row: Row, chosen: Suite, seed: int, folder: Path, hf: Path | None
     return args
 
 
-def backbone_folder(out: Path, chosen: Suite) -> Path:
-    """The in-house backbone's Hugging Face folder out/hf: `STEPS=<suite.backbone_steps>
+def pretrain_command(out: Path, chosen: Suite) -> tuple[list[str], dict]:
+    """(argv, environment) of the suite's backbone pretraining: `STEPS=<suite.backbone_steps>
     NIAH_SAMPLES=<suite.recall_samples> bash scripts/pretrain_backbone.sh out` (no STEPS: the
-    script's own; its S-NIAH score inside the window in out/niah.json), once."""
+    script's own), in the launcher's environment; run from the checkout."""
+    steps = {"STEPS": str(chosen.backbone_steps)} if chosen.backbone_steps else {}
+    return ["bash", "scripts/pretrain_backbone.sh", str(out)], {**train_env(), **steps,
+                                                                 "NIAH_SAMPLES": str(chosen.recall_samples)}
+
+
+def backbone_folder(out: Path, chosen: Suite) -> Path:
+    """The in-house backbone's Hugging Face folder out/hf (`pretrain_command`; its S-NIAH score
+    inside the window in out/niah.json), made once."""
     if not (out / "hf" / "config.json").is_file():
-        steps = {"STEPS": str(chosen.backbone_steps)} if chosen.backbone_steps else {}
-        env = {**train_env(), **steps, "NIAH_SAMPLES": str(chosen.recall_samples)}
-        subprocess.run(["bash", "scripts/pretrain_backbone.sh", str(out)], cwd=REPO, env=env, check=True,
-                       stdout=subprocess.DEVNULL)
+        command, env = pretrain_command(out, chosen)
+        subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
     return out / "hf"
 
 
