@@ -87,10 +87,13 @@ AUTOCAST_DEVICE_TYPES = frozenset(t for t in ("cpu", "cuda", "xpu", "mps", "hpu"
 
 
 def full_precision(device: torch.device):
-    """Autocast off on `device` (a no-op where autocast does not exist, e.g. meta): code under it
-    runs in its tensors' own dtype under any autocast (a lower-precision autocast would otherwise
-    run a fast-weight update, hence the new state, in bf16)."""
-    if device.type in AUTOCAST_DEVICE_TYPES:
+    """Autocast off on `device` (a no-op where autocast does not exist, e.g. meta, or is not on):
+    code under it runs in its tensors' own dtype under any autocast (a lower-precision autocast
+    would otherwise run a fast-weight update, hence the new state, in bf16). Only an autocast that
+    is on is switched off: traced by torch.compile, the switch is a node of the graph, and a graph
+    holding one is bypassed by AOTAutograd's cache (torch 2.13), so every launch of an fp32 run
+    would trace and partition it again (under bf16 autocast it still is)."""
+    if device.type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
+from compile_checks import cache_checked
+
 from models.backbones.decoder_lm import DecoderLM, DecoderLMConfig
 from models.grafts.graft import GraftConfig
 from models.lms.mela import Mela
@@ -48,8 +50,9 @@ MODELS = {**{f"titans_{v}": (lambda v=v: titans(v)) for v in VARIANTS}, "mela": 
           **{kind: (lambda kind=kind: graft(kind)) for kind in ("memoryllama", "mone")}}
 
 
-def recording_backend(ops: dict[str, set]):
-    """AOT autograd whose forward and backward graphs run as traced, their ops noted in `ops`."""
+def recording_backend(ops: dict[str, set], refusals: list[str]):
+    """AOT autograd whose forward and backward graphs run as traced, their ops noted in `ops`,
+    and what AOTAutograd's cache would refuse in the Dynamo graph in `refusals` (`cache_checked`)."""
 
     def compiler(phase: str):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
@@ -58,7 +61,7 @@ def recording_backend(ops: dict[str, set]):
 
         return compile_graph
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    return cache_checked(aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")), refusals)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -70,12 +73,13 @@ def test_the_training_step_compiles_as_one_graph_on_the_whole_sequence_path(name
     assert memories == sum(isinstance(m, NeuralMemory) for m in model.modules())
     assert (memories > 0) == (name != "mone")  # MoNe's memory is its own (models/grafts/mone.py)
     tokens = torch.randint(0, 64, (2, length), device="meta")
-    ops = {"forward": set(), "backward": set()}
+    ops, refusals = {"forward": set(), "backward": set()}, []
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=recording_backend(ops), fullgraph=True)
+    compiled = torch.compile(model, backend=recording_backend(ops, refusals), fullgraph=True)
     logits = compiled(tokens)
     F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
     kernels = {"memory_kernels.whole_sequence_fwd.default", "memory_kernels.whole_sequence_bwd.default"}
     assert (kernels <= ops["forward"] | ops["backward"]) == (memories > 0)
     assert "memory_kernels.whole_sequence_bwd.default" not in ops["forward"]
+    assert refusals == []  # a graph AOTAutograd's cache stores (a launch loads it instead of tracing it again)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

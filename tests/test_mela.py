@@ -291,6 +291,21 @@ def test_per_block_initial_memory_and_earlier_writes_learn_through_the_no_grad_c
     assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "initial_weights" in n)
 
 
+def test_carry_passes_the_value_of_now_and_the_gradient_to_before_eagerly_and_compiled():
+    """`carry`, the no-grad cycles' straight-through: the value of `now` bit for bit and the
+    incoming gradient to `before` unchanged, eagerly (a custom autograd.Function) and traced by
+    torch.compile (its pointwise form, which AOTAutograd's cache stores)."""
+    from models.lms.mela import carry
+
+    torch.manual_seed(0)
+    now = torch.randn(3, 5)
+    for run in (carry, torch.compile(carry, backend="aot_eager", fullgraph=True)):
+        before, grad = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5)
+        out = run(before, now)
+        out.backward(grad)
+        assert torch.equal(out, now) and torch.equal(before.grad, grad)
+
+
 def test_per_block_chain_changes_what_the_decoder_reads():
     """Same weights, the two chains: chunk 0's HMM output (read by chunk 1) already differs,
     since per_block's second L-step reads the first one's write."""
@@ -359,9 +374,12 @@ def test_hmm_modules_compile_fullgraph_to_one_graph_per_grad_mode_and_match_eage
     (torchtitan_ext/families/mela.py `compile_hmm`; aot_eager here): over a training step of 4
     chunks (fresh, then carried states; grad-off and grad-on cycles) and an evaluation forward,
     each module compiles one graph per grad mode (`uniform_call`; 9 graphs for the two
-    modules before it), and the step's logits and gradients equal the eager model's."""
+    modules before it), none holding a node AOTAutograd's cache refuses (a launch would trace
+    them again: the write's SiLU backward as a custom autograd.Function took 25 s of Mela
+    debug's first compiled step), and the step's logits and gradients equal the eager model's."""
     from torch._dynamo.utils import counters
 
+    from compile_checks import cache_checked
     from torchtitan_ext.families.mela import compile_hmm, hmm_modules
 
     model, x = small_model(), tokens(2, 32)
@@ -370,14 +388,15 @@ def test_hmm_modules_compile_fullgraph_to_one_graph_per_grad_mode_and_match_eage
         if compiled:
             torch._dynamo.reset()
             counters.clear()
-            compile_hmm(model, "aot_eager")
+            refusals = []
+            compile_hmm(model, cache_checked("aot_eager", refusals))
         model.zero_grad()
         logits = model(x)
         logits.float().square().mean().backward()
         runs.append((logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     with torch.no_grad():
         model.eval()(x)
-    assert counters["stats"]["unique_graphs"] == 4  # (L, H) x (grad on, off)
+    assert counters["stats"]["unique_graphs"] == 4 and refusals == []  # (L, H) x (grad on, off)
     assert all(model.get_submodule(name)._compiled_call_impl is not None for name in hmm_modules(model))
     (eager, eager_grads), (compiled, compiled_grads) = runs
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -85,3 +85,33 @@ def test_checkpointed_block_matches_eager(variant):
     recomputed = outputs_and_grads(block, x, lambda t: checkpoint(block, t, use_reentrant=False))
     for a, b in zip(eager, recomputed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gates, ns_steps", [("token", 0), ("chunk", 5)], ids=["token_rule", "newton_schulz"])
+def test_the_compiled_chunk_step_holds_nothing_aotautograds_cache_refuses(gates, ns_steps, monkeypatch):
+    """A compiled run's chunk step must be a graph AOTAutograd's cache stores, or every launch
+    traces and partitions it again: with the fp32 update's autocast switch on while no autocast
+    was (`kernels.token_step.full_precision`) and the write's SiLU backward as a custom
+    autograd.Function (`chunk_write.silu_backward`), titans_mac_debug's 6 compiled steps took
+    31.6 s with a warm cache, 18.1 s without them. fp32, no autocast (under bf16 autocast the
+    switch is needed, and stays): the step's graphs, forward and backward, refuse nothing."""
+    from compile_checks import cache_checked
+    from kernels import bounded_compile
+    from models.memory import chunk_loop
+    from models.memory.neural_memory import NeuralMemory
+
+    refusals, graphs = [], []
+    checked = cache_checked("aot_eager", refusals)
+
+    def noting(gm, example_inputs):
+        graphs.append(gm)
+        return checked(gm, example_inputs)
+
+    monkeypatch.setattr(chunk_loop, "compiled_chunk_step", lambda: bounded_compile(chunk_loop.chunk_step, backend=noting))
+    torch.manual_seed(0)
+    memory = NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, gates=gates,
+                                             newton_schulz_steps=ns_steps, compiled_chunk_step=True))
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    memory(x)[0].square().mean().backward()
+    assert graphs and x.grad is not None
+    assert refusals == []

@@ -89,6 +89,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from models.layers.diagnostics import recording_on
+from models.layers.tracing import compiling
 from models.layers.ffn import swiglu_hidden
 from models.memory.chunk_loop import MemoryState
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
@@ -410,7 +411,8 @@ def uniform_call(module: nn.Module, *inputs):
 
 class _StraightThrough(torch.autograd.Function):
     """carry(before, now): the value of `now`, the gradient to `before` as the identity
-    (M_before + (M_now - M_before).detach() without its two launches and their rounding)."""
+    (M_before + (M_now - M_before).detach() without its two launches and their rounding).
+    Eager only (`carry`)."""
 
     @staticmethod
     def forward(ctx, before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
@@ -421,13 +423,23 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def carry(before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    """The value of `now`, the gradient to `before` as the identity. Eagerly `_StraightThrough`
+    (no launch); traced by torch.compile, now.detach() + (before - before.detach()): exactly
+    `now` where `before` is finite (x - x = 0), one fused pointwise kernel, and no custom
+    autograd.Function in the graph (AOTAutograd's cache bypasses a graph holding one,
+    models/memory/chunk_write.py `silu_backward`)."""
+    if compiling():
+        return now.detach() + (before - before.detach())
+    return _StraightThrough.apply(before, now)
+
+
 def straight_through(entering: tuple, after: tuple) -> tuple:
     """Block states `after` the no-grad cycles, whose weights and momenta pass gradient to
     the `entering` states as the identity: the value of M_after, the gradient of M_entering
-    (`_StraightThrough`). The no-grad cycles' writes enter as constant increments (HRM's
+    (`carry`). The no-grad cycles' writes enter as constant increments (HRM's
     one-step gradient, applied to the memory chain), so a per_block chain's initial weights
     and earlier chunks' writes still learn when H > 1."""
-    carry = _StraightThrough.apply
     return tuple(None if now is None else now._replace(
         weights=tuple(map(carry, before.weights, now.weights)), momentum=tuple(map(carry, before.momentum, now.momentum)))
         for before, now in zip(entering, after))
