@@ -285,7 +285,7 @@ class TitansBlock(nn.Module):
         keys = apply_rope(attention._heads(attention.wk(h)), cos, sin)
         values = attention._heads(attention.wv(h))
         prefix_k, prefix_v = attention.prefix_heads(batch)
-        read_q, read_gate = memory.read_queries(h, segment).to(state.weights[0].dtype), memory.output_gate(h)
+        read_q, read_gate = memory.read_queries(h, segment).to(state.weights[0].dtype).contiguous(), memory.output_gate(h)
         read_kv, _ = stacked((attention.wk, attention.wv))
         if memory.cfg.output_proj:
             read_kv = read_kv @ memory.out.weight
@@ -296,21 +296,23 @@ class TitansBlock(nn.Module):
             written = F.linear(h, write_weight, write_bias)
         masks = {}
         attended, reads = [], []
-        for start in range(0, length, segment):
-            part = slice(start, start + segment)
-            size = min(segment, length - start)
+        # each tensor cut into its segments once: one backward op joins their gradients (a slice per
+        # segment would fill a zero tensor of the whole length and add it, per segment)
+        parts = [t.split(segment, 2) for t in (q, keys, values, read_q, cos, sin)]
+        parts.append([None] * len(parts[0]) if read_gate is None else read_gate.split(segment, 2))
+        parts.append([None] * len(parts[0]) if cfg.mac_write == "attention" else written.split(segment, 1))
+        for q_s, keys_s, values_s, read_q_s, cos_s, sin_s, read_gate_s, written_s in zip(*parts):
+            size = q_s.shape[2]
             if size not in masks:
                 mask_mod = mac_mask(n_prefix, size)
                 masks[size] = mask_mod, flex_block_mask(mask_mod, size, n_prefix + 2 * size, x.device)
-            r = memory.output_heads(memory.read(read_q[:, :, part], state), x.dtype,
-                                    None if read_gate is None else read_gate[:, :, part])
+            r = memory.output_heads(memory.read(read_q_s, state), x.dtype, read_gate_s)
             r_keys, r_values = F.linear(r, read_kv).chunk(2, -1)
-            k = torch.cat([prefix_k, apply_rope(attention._heads(r_keys), cos[:, :, part], sin[:, :, part]),
-                           keys[:, :, part]], 2)
-            v = torch.cat([prefix_v, attention._heads(r_values), values[:, :, part]], 2)
-            a = masked_attention(q[:, :, part], k, v, masks[size][0], block_mask=masks[size][1])
+            k = torch.cat([prefix_k, apply_rope(attention._heads(r_keys), cos_s, sin_s), keys_s], 2)
+            v = torch.cat([prefix_v, attention._heads(r_values), values_s], 2)
+            a = masked_attention(q_s, k, v, masks[size][0], block_mask=masks[size][1])
             a = a.transpose(1, 2).flatten(-2)
-            projected = F.linear(a, write_weight, write_bias) if cfg.mac_write == "attention" else written[:, part]
+            projected = F.linear(a, write_weight, write_bias) if cfg.mac_write == "attention" else written_s
             m, state = memory.write(*projected.split([memory.to_qkv.out_features, memory.to_gates.out_features], -1),
                                     state)
             attended.append(a)
