@@ -94,7 +94,7 @@ def test_the_compiled_chunk_step_holds_nothing_aotautograds_cache_refuses(gates,
     was (`kernels.token_step.full_precision`) and the write's SiLU backward as a custom
     autograd.Function (`chunk_write.silu_backward`), titans_mac_debug's 6 compiled steps took
     31.6 s with a warm cache, 18.1 s without them. fp32, no autocast (under bf16 autocast the
-    switch is needed, and stays): the step's graphs, forward and backward, refuse nothing."""
+    switch is needed, and stays): nothing in the step's graphs is refused."""
     from compile_checks import cache_checked
     from kernels import bounded_compile
     from models.memory import chunk_loop
@@ -107,7 +107,8 @@ def test_the_compiled_chunk_step_holds_nothing_aotautograds_cache_refuses(gates,
         graphs.append(gm)
         return checked(gm, example_inputs)
 
-    monkeypatch.setattr(chunk_loop, "compiled_chunk_step", lambda: bounded_compile(chunk_loop.chunk_step, backend=noting))
+    compiled = bounded_compile(chunk_loop.chunk_step, backend=noting)
+    monkeypatch.setattr(chunk_loop, "compiled_chunk_step", lambda: compiled)
     torch.manual_seed(0)
     memory = NeuralMemory(NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, chunk_size=4, gates=gates,
                                              newton_schulz_steps=ns_steps, compiled_chunk_step=True))

@@ -89,8 +89,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from models.layers.diagnostics import recording_on
-from models.layers.tracing import compiling
 from models.layers.ffn import swiglu_hidden
+from models.layers.tracing import compiling
 from models.memory.chunk_loop import MemoryState
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 from models.layers.decoder import Attention, DecoderBlock

@@ -285,7 +285,9 @@ class TitansBlock(nn.Module):
         keys = apply_rope(attention._heads(attention.wk(h)), cos, sin)
         values = attention._heads(attention.wv(h))
         prefix_k, prefix_v = attention.prefix_heads(batch)
-        read_q, read_gate = memory.read_queries(h, segment).to(state.weights[0].dtype).contiguous(), memory.output_gate(h)
+        # the read queries contiguous once (the read's bmm would copy each segment's slice of them)
+        read_q = memory.read_queries(h, segment).to(state.weights[0].dtype).contiguous()
+        read_gate = memory.output_gate(h)
         read_kv, _ = stacked((attention.wk, attention.wv))
         if memory.cfg.output_proj:
             read_kv = read_kv @ memory.out.weight
