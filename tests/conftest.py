@@ -40,6 +40,15 @@ def load_script(name: str):
 QUIET = ["--metrics.no-enable-wandb", "--metrics.log_freq", "1", "--metrics.disable_color_printing"]
 
 
+def exit_code(main, argv) -> int:
+    """main(argv) (a script's or module's `main`) run in this process: its exit code, 0 when it returns."""
+    try:
+        main(list(argv))
+    except SystemExit as exited:
+        return exited.code
+    return 0
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
     build(default_tokenizer_dir(), 4096)

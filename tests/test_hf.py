@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import load_script, train
+from conftest import exit_code, load_script, train
 from torchtitan_ext.training.checkpoints import build_model, causal_logits, load_dcp_model
 from torchtitan_ext.data.tokenizer import AssetsTokenizer
 from torchtitan_ext.families.transformer import FAMILY as TRANSFORMER
@@ -65,12 +65,7 @@ torch.save({"logits": logits, "generated": generated, "class": type(model).__nam
 
 def run_script(name: str, *args) -> int:
     """Run scripts/<name>'s main in this process; its exit code (0 when it returns)."""
-    module = load_script(name.removesuffix(".py"))
-    try:
-        module.main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
-    return 0
+    return exit_code(load_script(name.removesuffix(".py")).main, [str(a) for a in args])
 
 
 def native(config: str, folder):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, train
+from conftest import REPO, exit_code, train
 from torchtitan_ext.training import cli, preflight
 from torchtitan_ext.errors import UserError
 
@@ -205,10 +205,7 @@ def preflight_code(argv) -> int:
     import logging
 
     try:
-        preflight.main(list(argv))
-        return 0
-    except SystemExit as exited:
-        return exited.code
+        return exit_code(preflight.main, argv)
     finally:
         logging.disable(logging.NOTSET)  # preflight.main silences torchtitan's warnings for the process
 
