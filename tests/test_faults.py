@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_script, REPO, train, train_command, train_env
+from conftest import exit_code, load_script, REPO, train, train_command, train_env
 from torchtitan_ext.training.run_log import parse_steps
 from training_runs import CONFIGS
 
@@ -86,11 +86,10 @@ def test_a_damaged_step_is_skipped_for_the_newest_whole_one_and_refused_by_conve
     assert step == INTERVAL and len(damaged) == 1 and damaged[0].startswith(f"{LAST}: ") and expected in damaged[0], damaged
     out = tmp_path / "hf"
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:  # the script's main, in this process
-        load_script("convert_to_hf").main([*CONFIGS["transformer"], "--checkpoint",
-                                           str(tmp_path / "run" / "checkpoint" / LAST), "--out", str(out)])
+    code = exit_code(load_script("convert_to_hf").main, [*CONFIGS["transformer"], "--checkpoint",  # in this process
+                                                         str(tmp_path / "run" / "checkpoint" / LAST), "--out", str(out)])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert exited.value.code == 2 and len(lines) == 1 and expected in lines[0], lines
+    assert code == 2 and len(lines) == 1 and expected in lines[0], lines
     assert not out.exists()
 
 

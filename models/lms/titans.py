@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import NamedTuple
 
 import torch
@@ -300,10 +301,10 @@ class TitansBlock(nn.Module):
         attended, reads = [], []
         # each tensor cut into its segments once: one backward op joins their gradients (a slice per
         # segment would fill a zero tensor of the whole length and add it, per segment)
-        parts = [t.split(segment, 2) for t in (q, keys, values, read_q, cos, sin)]
-        parts.append([None] * len(parts[0]) if read_gate is None else read_gate.split(segment, 2))
-        parts.append([None] * len(parts[0]) if cfg.mac_write == "attention" else written.split(segment, 1))
-        for q_s, keys_s, values_s, read_q_s, cos_s, sin_s, read_gate_s, written_s in zip(*parts):
+        segments = zip(*(t.split(segment, 2) for t in (q, keys, values, read_q, cos, sin)),
+                       repeat(None) if read_gate is None else read_gate.split(segment, 2),
+                       repeat(None) if cfg.mac_write == "attention" else written.split(segment, 1))
+        for q_s, keys_s, values_s, read_q_s, cos_s, sin_s, read_gate_s, written_s in segments:
             size = q_s.shape[2]
             if size not in masks:
                 mask_mod = mac_mask(n_prefix, size)
