@@ -272,7 +272,8 @@ def test_the_plateau_settings_wait_20_evaluations_and_give_the_seed_sensitive_ro
     assert t32.seeds_of("transformer_full") == (0, 1, 2)
     assert all(t32.seeds_of(r) == (0, 1, 2, 3, 4)
                for r in ("mlp_lm", "titans_mac", "titans_mac_inputs", "transformer_window_reach"))
-    assert all(t128.seeds_of(r) == (0, 1, 2, 3, 4) for r in mqar_suite.ROWS)
+    sensitive = ("mela", "mela_memory_off", "titans_mac", "titans_mac_inputs", "mlp_lm")
+    assert all(t128.seeds_of(r) == ((0, 1, 2, 3, 4) if r in sensitive else (0, 1, 2)) for r in mqar_suite.ROWS)
     assert dataclasses.replace(t32, seeds=tuple(range(6))).seeds_of("mlp_lm") == tuple(range(6))  # --seeds 6 wins
 
 

@@ -163,12 +163,15 @@ SETTINGS = {
                                     ("transformer_window_reach", 5))),
     # Issue 48's second shape: length 128, 8 pairs (tested on 8 and 16, at 128 and 256), window and MAC
     # segment T/8 = 16, Mela's decoder chunk T/2 = 64 (P 32, C 2: the paper's chunk : length ratio), memory
-    # chunks of 8, 5 seeds. The Transformer++'s steps: 1,300 (seed 0 at lr 3e-3 reached 0.99 there, 0.95 at 1,000; lr
-    # 1e-3 at 2,200; docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md, HT1), so the cap is 7,800. Plateau window
+    # chunks of 8; 3 seeds, 5 for the rows whose verdict turns on the seed (H6's Mela and twin, H9's two MACs, the
+    # MLP-FFN LM; issue 48 goal 3; the rows of H6 and H9 ran 5 from the start). The Transformer++'s steps: 1,300 (seed
+    # 0 at lr 3e-3 reached 0.99 there, 0.95 at 1,000; lr 1e-3 at 2,200; docs/leaderboard/mqar_plateau_2026-11-28/HYPOTHESES.md, HT1), so the cap is 7,800. Plateau window
     # 20 evaluations (2,000 steps; 10 cut delayed phase changes here: HYPOTHESES.md, W1).
     "plateau128": Setting("plateau128", train_len=128, window=16, train_kv=(8,), eval_kv=(8, 16), eval_lengths=(128, 256),
-                          steps=1300, seeds=(0, 1, 2, 3, 4), mela_patch=32, mela_chunk=2, mela_span=64, cap_factor=6,
-                          eval_every=100, plateau_window=20),
+                          steps=1300, seeds=(0, 1, 2), mela_patch=32, mela_chunk=2, mela_span=64, cap_factor=6,
+                          eval_every=100, plateau_window=20,
+                          row_seeds=(("mela", 5), ("mela_memory_off", 5), ("titans_mac", 5), ("titans_mac_inputs", 5),
+                                     ("mlp_lm", 5))),
     # Seconds: the form the tests run (the numbers mean nothing); trains to a plateau of 2 evaluations, cap 4 steps.
     "quick": Setting("quick", width=16, layers=2, heads=2, vocab=32, train_len=16, window=8, train_kv=(2,), eval_kv=(2,),
                      eval_lengths=(16, 32), steps=2, batch_size=4, lrs=(1e-3, 3e-3), seeds=(0, 1), val_prompts=4,
