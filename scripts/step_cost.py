@@ -2,7 +2,7 @@
 
     python scripts/step_cost.py --config titans_mac_400m [--seq-len 4096 --batch 2]
         [--mode eager|compiled|graphs | --compiled | --graphs] [--whole-sequence] [--fma-kernels] [--kernel-roofline] [--tf32]
-        [--launch-floor-us US] [--sync-us 20]
+        [--launch-floor-us US] [--sync-us 20] [--crude-launches]
         [--baseline transformer_400m|none] [--top 12]
 
 Records one bench_models.py training step (bf16 autocast, fp32 parameters, cross-entropy, fused
@@ -10,7 +10,11 @@ AdamW) of CONFIG (<family>[_<variant>]_<flavor>, e.g. transformer_400m, mela_400
 name:flavor) on the meta device, costs every aten op on an H100 roofline plus a per-launch
 floor (the mode's, `LAUNCH_S`), and prints the cost by op class, the predicted step time and
 tokens/s, launches per memory layer, the top ops and model functions, the Transformer++ of the
-same flavor in the same mode beside it, and the lease's measurement where one exists.
+same flavor in the same mode beside it, and the lease's measurement where one exists. In the
+compiled modes the compiled regions' launches are also counted as Inductor's GPU scheduling emits
+them (torchtitan_ext/step_cost/inductor_launches.py: the config's launch twin compiled and trained
+one step on this CPU; minutes), and the step is predicted at that count too; `--crude-launches`
+skips the count and keeps the crude fusion model's.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
                    "peak alone (default: at most the rate per program a lease measured, KERNEL_PROGRAM_FLOPS)")
     p.add_argument("--launch-floor-us", type=float, help="cost added per launch (default: the mode's LAUNCH_S)")
     p.add_argument("--sync-us", type=float, default=HOST_SYNC_S * 1e6, help="cost of one host sync")
+    p.add_argument("--crude-launches", action="store_true", help="compiled modes: do not count the compiled "
+                   "regions' launches as Inductor emits them (minutes); keep the crude fusion model's")
     p.add_argument("--baseline", default="", help="config costed beside it (default transformer_<flavor>; none: off)")
     p.add_argument("--top", type=int, default=12, help="rows of the top-ops and top-functions tables")
     return p
@@ -55,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     hardware = Hardware.for_mode(args.mode, tf32=args.tf32, sync_s=args.sync_us * 1e-6,
                                  kernel_tensor_cores=not args.fma_kernels,
                                  kernel_measured=not args.kernel_roofline, **floor)
-    options = dict(seq_len=args.seq_len, batch=args.batch, mode=args.mode, hardware=hardware)
+    options = dict(seq_len=args.seq_len, batch=args.batch, mode=args.mode, hardware=hardware,
+                   inductor_launches=not args.crude_launches)
     try:
         prediction = predict(args.config, whole_sequence=args.whole_sequence, **options)
         baseline = args.baseline or baseline_of(prediction)

@@ -265,7 +265,8 @@ def test_compiled_mode_compiles_what_training_compiles():
 
 
 def test_script_prints_the_transformer_beside(capsys):
-    assert load_script("step_cost").main(["--config", "titans_mag_debug", "--seq-len", "128", "--graphs"]) == 0
+    assert load_script("step_cost").main(["--config", "titans_mag_debug", "--seq-len", "128", "--graphs",
+                                          "--crude-launches"]) == 0
     out = capsys.readouterr().out
     assert "beside transformer debug (same mode and shape)" in out and "replayed as a CUDA graph" in out
     assert "compiled regions (6): layers.0.attention" in out

@@ -153,6 +153,7 @@ class StepCost:
     fp32_matmul: Cost = field(default_factory=Cost)
     fp32_functions: dict = field(default_factory=dict)  # model function -> fp32 matmul launches
     memory_layers: dict = field(default_factory=dict)
+    region_launches: int = 0  # launches booked inside the recipe's compiled regions (Tag.region)
     device: str = ""
     record_s: float = 0.0
 
@@ -187,3 +188,4 @@ class Tag:
     attention: bool = False
     compiled: bool = False
     function: str = ""  # the innermost model function (models/, kernels/) on the stack, "file.py:name"
+    region: bool = False  # inside what the recipe compiles (its modules and functions; not kernels' own compile)

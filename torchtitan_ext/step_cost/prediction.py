@@ -11,6 +11,7 @@ from models.memory.neural_memory import use_whole_sequence
 from torchtitan_ext import plain_step
 from torchtitan_ext.families import family_and_overrides
 from torchtitan_ext.step_cost.hardware import Hardware, LAUNCH_S, MEASURED_H100, MEASURED_SHAPE, MODES, StepCost
+from torchtitan_ext.step_cost.inductor_launches import LaunchCount, count_compiled
 from torchtitan_ext.step_cost.ops import CHUNK_STEP_FUNCTIONS
 from torchtitan_ext.step_cost.recorder import record_step
 
@@ -45,6 +46,26 @@ class Prediction:
     flops_per_token: float
     cost: StepCost
     compiled_modules: tuple[str, ...] = ()  # what the recipe compiles (mode compiled or graphs)
+    inductor: LaunchCount | None = None  # the compiled regions' launches as Inductor emits them (`count_compiled`)
+    twin: dict | None = None  # the launch twin they were counted on
+
+    @property
+    def launches(self) -> int:
+        """Launches of the step: with `inductor`, the compiled regions' as Inductor emits them and the
+        rest as recorded; else as recorded (the crude fusion model inside compiled regions)."""
+        if self.inductor is None:
+            return self.cost.total.launches
+        return self.cost.total.launches - self.cost.region_launches + self.inductor.total
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step: the recording's, plus the mode's launch floor for each launch Inductor
+        emits beyond the crude model's count (their bytes and FLOPs are not costed)."""
+        return self.cost.step_s + (self.launches - self.cost.total.launches) * self.cost.hardware.launch_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.cost.tokens / self.step_s if self.step_s else 0.0
 
     @property
     def compiled(self) -> bool:
@@ -52,17 +73,21 @@ class Prediction:
 
     @property
     def mfu(self) -> float:
-        return self.cost.tokens_per_s * self.flops_per_token / self.cost.hardware.bf16_flops
+        return self.tokens_per_s * self.flops_per_token / self.cost.hardware.bf16_flops
 
 
 def predict(config: str, *, seq_len: int = 4096, batch: int = 2, mode: str = "eager",
-            hardware: Hardware | None = None, whole_sequence: bool = False) -> Prediction:
+            hardware: Hardware | None = None, whole_sequence: bool = False,
+            inductor_launches: bool = False) -> Prediction:
     """Record one bench_models.py training step of CONFIG (e.g. "titans_mac_400m") on meta
     and cost it on an H100 (`whole_sequence`: every neural memory on the whole-sequence kernels).
     mode (`MODES`): "eager"; "compiled", as the family's training compiles (`Family.compiled_module_names`:
     torchtitan's per-block compile of `layers`, or the family's regions; Titans on the chunk
     loop also compiles its chunk step), every other module eager; "graphs", compiled so and the
-    whole step replayed as one CUDA graph. `hardware` (default `Hardware.for_mode(mode)`)."""
+    whole step replayed as one CUDA graph. `hardware` (default `Hardware.for_mode(mode)`).
+    `inductor_launches` (compiled modes): also count the compiled regions' launches as Inductor's
+    Triton scheduling emits them, on the config's launch twin (`inductor_launches.count_compiled`,
+    minutes on a CPU), which then set the step's launches and launch floor (`Prediction.launches`)."""
     if mode not in LAUNCH_S:
         raise ValueError(f"unknown mode '{mode}': choose from {', '.join(MODES)}")
     name, flavor = parse_config(config)
@@ -81,8 +106,11 @@ def predict(config: str, *, seq_len: int = 4096, batch: int = 2, mode: str = "ea
     cost = record_step(model, lambda m: plain_step.loss_of(m, data), tokens=batch * seq_len, bf16=True,
                        compiled=compiled, compile_modules=frozenset(compile_modules),
                        compile_functions=CHUNK_STEP_FUNCTIONS if chunk_loop else frozenset(), hardware=hardware)
+    inductor = twin = None
+    if inductor_launches and compiled:
+        inductor, twin = count_compiled(name, flavor, seq_len=seq_len, batch=batch, whole_sequence=whole_sequence)
     return Prediction(name, flavor, batch, seq_len, mode, sum(p.numel() for p in model.parameters()),
-                      flops_per_token(seq_len), cost, compile_modules)
+                      flops_per_token(seq_len), cost, compile_modules, inductor, twin)
 
 
 def baseline_of(p: Prediction) -> str | None:
@@ -124,8 +152,18 @@ def report(p: Prediction, top: int = 12, baseline: Prediction | None = None) -> 
     where = ", ".join(f"{k} {v:,}" for k, v in sorted(c.fp32_functions.items(), key=lambda kv: -kv[1]))
     lines.append(f"fp32 matmuls: {c.fp32_matmul.launches:,} launches, {c.fp32_matmul.flops / 1e9:,.1f} GFLOPs, "
                  f"{c.fp32_matmul.compute_s * 1e3:.2f} ms roofline{f' ({where})' if where else ''}")
-    lines.append(f"predicted step {c.step_s * 1e3:,.1f} ms -> {c.tokens_per_s:,.0f} tokens/s; MFU {p.mfu:.1%} "
-                 f"(bench_models.py's FLOPs/token {p.flops_per_token / 1e9:.2f} G)")
+    lines.append(f"predicted step {c.step_s * 1e3:,.1f} ms -> {c.tokens_per_s:,.0f} tokens/s"
+                 f"{f'; MFU {p.mfu:.1%}' if p.inductor is None else ''} (bench_models.py's FLOPs/token "
+                 f"{p.flops_per_token / 1e9:.2f} G)")
+    if p.inductor is not None:
+        kinds = ", ".join(f"{k} {v:,}" for k, v in p.inductor.launches.most_common())
+        lines.append(f"launches counted as Inductor emits them (launch twin: width {p.twin['width']}, seq "
+                     f"{p.twin['seq_len']} = {p.seq_len} / {p.twin['factor']}, every layer, segment and chunk loop "
+                     f"kept): compiled regions {p.inductor.total:,} in {p.inductor.calls:,} calls of "
+                     f"{p.inductor.graphs} graphs ({kinds}) where the crude model counts {c.region_launches:,}; "
+                     f"with the {total.launches - c.region_launches:,} outside them {p.launches:,} launches a step")
+        lines.append(f"predicted step at Inductor's launches {p.step_s * 1e3:,.1f} ms -> {p.tokens_per_s:,.0f} "
+                     f"tokens/s; MFU {p.mfu:.1%}")
     if c.memory_layers:
         layers = list(c.memory_layers.items())
         first, (fwd, bwd) = layers[0]
@@ -144,10 +182,11 @@ def report(p: Prediction, top: int = 12, baseline: Prediction | None = None) -> 
         lines.insert(2, f"compiled regions ({len(p.compiled_modules)}): {', '.join(p.compiled_modules[:4])}"
                         f"{', ...' if len(p.compiled_modules) > 4 else ''}; every other module eager")
     if baseline is not None:
-        b = baseline.cost
-        lines.append(f"beside {baseline.name} {baseline.flavor} (same mode and shape): {b.total.launches:,} launches, "
-                     f"{b.tokens_per_s:,.0f} tokens/s; {p.name} / {baseline.name}: {c.total.launches / b.total.launches:.1f}x "
-                     f"the launches, {c.tokens_per_s / b.tokens_per_s:.2f}x the tokens/s")
+        counted = " (Inductor's launches)" if baseline.inductor is not None else ""
+        lines.append(f"beside {baseline.name} {baseline.flavor} (same mode and shape){counted}: {baseline.launches:,} "
+                     f"launches, {baseline.tokens_per_s:,.0f} tokens/s; {p.name} / {baseline.name}: "
+                     f"{p.launches / baseline.launches:.1f}x the launches, "
+                     f"{p.tokens_per_s / baseline.tokens_per_s:.2f}x the tokens/s")
     measured = MEASURED_H100.get((p.name, p.flavor, p.mode))
     if measured and (p.batch, p.seq_len) == MEASURED_SHAPE:
         tokens_s, mfu = measured

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -31,6 +32,7 @@ class _Recorder:
         self.compiled = compiled
         self.compile_modules = compile_modules  # None: the whole model (when compiled)
         self.compile_functions = compile_functions
+        self.region_functions = compile_functions - CUDA_COMPILED_FUNCTIONS  # the recipe's (Tag.region)
         self.phase = "forward"
         self.stack: list[Tag] = []
         self.backward_tag = Tag()
@@ -90,24 +92,26 @@ class _Recorder:
         names, _, memory, function = self._frames()
         own = self.phase == "forward" or bool(names - {"backward"})  # model frames of this op's own
         if memory and not base.memory:
-            base = Tag(base.module, memory, base.read, base.attention, base.compiled, base.function)
+            base = dataclasses.replace(base, memory=memory)
         read = bool(names & READ_FUNCTIONS) if base.memory and own else base.read
         compiled = base.compiled or bool(names & self.compile_functions)
+        region = base.region or bool(names & self.region_functions)
         attention = base.attention or self.attention_depth > 0
         function = function if own and function else base.function
         if self.attention_depth and self.attention_label:
             function = self.attention_label
         if self.phase == "backward" and not own and function == base.function:
             return base
-        return Tag(base.module, base.memory, read, attention, compiled, function)
+        return Tag(base.module, base.memory, read, attention, compiled, function, region)
 
     def push(self, name: str, module: torch.nn.Module) -> None:
         parent = self.stack[-1] if self.stack else Tag()
         memory = parent.memory
         if not memory and type(module).__module__.startswith("models.memory."):
             memory = name
-        compiled = parent.compiled or (self.compiled and (self.compile_modules is None or name in self.compile_modules))
-        self.stack.append(Tag(name, memory, parent.read, parent.attention, compiled, parent.function))
+        region = parent.region or (self.compiled and (self.compile_modules is None or name in self.compile_modules))
+        self.stack.append(Tag(name, memory, parent.read, parent.attention, parent.compiled or region, parent.function,
+                              region))
 
     def pop(self) -> None:
         if self.stack:
@@ -194,6 +198,8 @@ class _Recorder:
         if fp32_matmul:
             self.cost.fp32_matmul.add(cost)
             self.cost.fp32_functions[function] = self.cost.fp32_functions.get(function, 0) + cost.launches
+        if tag.region and cls != "optimizer":
+            self.cost.region_launches += cost.launches
         if tag.memory and cls != "optimizer":
             counts = self.cost.memory_layers.setdefault(tag.memory, [0, 0])
             counts[self.phase != "forward"] += cost.launches
