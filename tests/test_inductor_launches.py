@@ -4,6 +4,7 @@ one memory step counted as its training compiles it, and step_cost's prediction 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchtitan_ext.step_cost import inductor_launches
@@ -47,6 +48,7 @@ def test_the_launch_twin_keeps_every_trip_count_at_width_32():
     assert (cfg.dim, cfg.n_layers, cfg.head_dim, length) == (32, 24, 16, 256)
 
 
+@pytest.mark.slow
 def test_a_mac_step_counts_each_segments_memory_kernels_and_sets_the_prediction():
     """titans_mac_debug on the whole-sequence path at 2 segments a block: every block's forward
     and backward graph run once, and each segment writes through one forward and one backward
