@@ -8,7 +8,8 @@ writes for each graph lists every launch of the graph in order: a Triton kernel 
 extern kernel (`extern_kernels.mm(`: cuBLAS on a GPU), a fallback op (`torch.ops.<op>(`: the memory
 kernels, attention). Without a GPU the Triton kernels cannot be compiled, so the wrapper is read
 before Inductor loads it and the graph then runs eagerly (AOTAutograd's own partition of forward and
-backward and Inductor's decompositions, so the step's values are eager's).
+backward and Inductor's decompositions, so the step's values are eager's, up to the whole-sequence
+memory kernels, which are counted and not run: `_memory_kernels_unrun`).
 
 `count_twin` trains one step of a config's *launch twin* (`launch_twin`: the flavor's depth and its
 ratios of sequence length to windows, segments and chunks, at width 32 and a sequence shortened by
@@ -26,7 +27,8 @@ Where a GPU step differs (stated, not modelled):
   attention: one template kernel forward, a template and a preparation kernel backward);
 - Inductor's choices that depend on sizes follow the twin's (a reduction split in two at the
   paper's width is one kernel at 32);
-- a graph the CPU run breaks where CUDA would not (none seen) would be counted as eager ops.
+- a graph the CPU run breaks where CUDA would not (none seen) would lose the ops between its parts
+  from the count (they run neither in a compiled graph nor outside the recipe's regions).
 """
 
 from __future__ import annotations
