@@ -118,9 +118,7 @@ def _triton_scheduling(sources: list[str]):
     import torch.utils._triton as triton_utils
     from torch._inductor.codecache import PyCodeCache
 
-    saved = (inductor_config.cpu_backend, triton_utils.triton_hash_with_backend, triton_utils.triton_backend,
-             PyCodeCache.load_by_key_path)
-    load = saved[3]
+    load = PyCodeCache.load_by_key_path
 
     def read_wrapper(key, path, *args, **kwargs):
         with open(path) as f:
@@ -130,16 +128,11 @@ def _triton_scheduling(sources: list[str]):
         sources.append(source)
         raise _Captured()
 
-    inductor_config.cpu_backend = "triton"
-    triton_utils.triton_hash_with_backend = lambda: "no-gpu-driver"
-    triton_utils.triton_backend = lambda: None
-    PyCodeCache.load_by_key_path = staticmethod(read_wrapper)
-    try:
-        with _as_on_a_gpu():
-            yield
-    finally:
-        (inductor_config.cpu_backend, triton_utils.triton_hash_with_backend, triton_utils.triton_backend,
-         PyCodeCache.load_by_key_path) = saved[:3] + (staticmethod(load),)
+    with inductor_config.patch(cpu_backend="triton"), \
+            mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "no-gpu-driver"), \
+            mock.patch.object(triton_utils, "triton_backend", lambda: None), \
+            mock.patch.object(PyCodeCache, "load_by_key_path", staticmethod(read_wrapper)), _as_on_a_gpu():
+        yield
 
 
 def _lowered_launches(gm: torch.fx.GraphModule, example_inputs, backward: bool) -> Counter:
