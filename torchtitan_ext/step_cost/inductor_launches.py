@@ -301,9 +301,9 @@ def count_compiled(name: str, flavor: str, *, seq_len: int = 4096, batch: int = 
     launch kind and the calls affine in the depth, as every decoder layer runs the same graphs;
     Inductor's lowering of a twin's graphs takes minutes on a CPU). Returns
     (the LaunchCount, {"factor", "seq_len", "width", "depths", "layers"} of the twins)."""
-    with torch.device("meta"):
-        from torchtitan_ext import plain_step
+    from torchtitan_ext import plain_step
 
+    with torch.device("meta"):
         cfg = plain_step.build(name, flavor)[1]
     layers, low = cfg.n_layers, shallowest(cfg)
     if layers <= low + 1:
