@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train with torchtitan's Trainer through torchrun, on one node or many.
+# Train with torchtitan's Trainer through torchrun, on one node or many (one process: no torchrun).
 #
 #   bash scripts/train.sh --module train_configs.<family> --config <function> [--section.key value ...]
 #   bash scripts/train.sh --list                      # the config catalogue
@@ -66,9 +66,21 @@ export PREEMPTED_MARKER="$LOG_DIR/preempted"
 export EXIT_CODE_FILE="$LOG_DIR/exit_code"
 trap 'true' TERM
 status=0
-"$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
-  --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter 0 \
-  -m torchtitan_ext.training.train "$@" || status=$?
+if [ "$NNODES" = 1 ] && [ "$NPROC_PER_NODE" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+  # One process on one node: the rank runs here, without torchrun's agent (its start costs
+  # ~4 s on 2 CPU cores), in the environment torchrun would give it (its store on a free
+  # port); its output goes to the console and to LOG_DIR/rank0.{stdout,stderr}.log. The tees
+  # ignore SIGTERM, so a preempted rank can still report its checkpoint.
+  RANK=0 LOCAL_RANK=0 GROUP_RANK=0 ROLE_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 GROUP_WORLD_SIZE=1 ROLE_WORLD_SIZE=1 \
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=0 "$PY" -m torchtitan_ext.training.train "$@" \
+    > >(trap '' TERM; exec tee "$LOG_DIR/rank0.stdout.log") \
+    2> >(trap '' TERM; exec tee "$LOG_DIR/rank0.stderr.log" >&2) || status=$?
+  wait  # for the tees to flush
+else
+  "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
+    --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter 0 \
+    -m torchtitan_ext.training.train "$@" || status=$?
+fi
 if [ -f "$PREEMPTED_MARKER" ]; then exit 75; fi
 if [ "$status" != 0 ] && [ -f "$EXIT_CODE_FILE" ]; then exit "$(cat "$EXIT_CODE_FILE")"; fi
 exit "$status"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import train
+from torchtitan_ext.training.run_log import parse_steps
 from training_runs import CONFIGS, relative_gap, seeded_folder, SHORT, SHORT_STEPS
 
 pytestmark = pytest.mark.slow
@@ -91,10 +92,13 @@ def test_compile_and_activation_checkpointing_modes_agree(family, launched, seed
 
 @pytest.mark.parametrize("family", ONE_PROCESS_ONLY)
 def test_the_other_titans_variants_learn_through_the_launcher(family, tokenizer_dir, tmp_path):
-    run = train(CONFIGS[family] + SHORT + BATCH + ["--dump_folder", str(tmp_path)])
+    """One process (the launcher runs the rank without torchrun): the losses reach the console
+    and the rank's log in LOG_DIR."""
+    run = train(CONFIGS[family] + SHORT + BATCH + ["--dump_folder", str(tmp_path)], env={"LOG_DIR": str(tmp_path / "logs")})
     assert run.returncode == 0, run
     # measured falls over the 6 steps: 1.37 (LMM), 1.38 (MAG), 1.58 (MAL)
     assert sorted(run.losses) == list(range(1, SHORT_STEPS + 1)) and run.losses[SHORT_STEPS] < run.losses[1] - 0.5
+    assert parse_steps((tmp_path / "logs" / "rank0.stdout.log").read_text()) == parse_steps(run.output)
 
 
 # Statistics each memory family's diagnostics must log (console summary names; wandb keys end with them).
