@@ -27,9 +27,13 @@ def stacked(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def project_together(x: torch.Tensor, linears) -> list[torch.Tensor]:
     """x (..., in) through each of `linears`. Traced by torch.compile and all plain nn.Linear,
-    one matmul over their `stacked` weights (one kernel forward and two backward instead of one
-    and two each; the same function, other rounding); eagerly, or when one is adapted (a
-    LoRALinear, models/grafts/lora.py, adds its own path), one by one."""
+    one matmul over their weights stacked along the outputs (one kernel forward and two backward instead of one
+    and two each; the same function, other rounding), each bias added to its own part after the
+    split (a pointwise add that fuses into the part's consumer, where the stacked bias, zero-padded,
+    was a kernel of its own at every call); eagerly, or when one is adapted (a LoRALinear,
+    models/grafts/lora.py, adds its own path), one by one."""
     if not compiling() or any(type(linear) is not nn.Linear for linear in linears):
         return [linear(x) for linear in linears]
-    return list(F.linear(x, *stacked(linears)).split([linear.out_features for linear in linears], -1))
+    weight = torch.cat([linear.weight for linear in linears])
+    parts = F.linear(x, weight).split([linear.out_features for linear in linears], -1)
+    return [part if linear.bias is None else (part + linear.bias).to(part.dtype) for part, linear in zip(parts, linears)]
