@@ -106,7 +106,7 @@ def chunk_gates(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tens
     decays = [[prod_j (1 - alpha_j), sum_t R_t E_t], [0, prod_j eta_j]].
     gates="chunk": K = 1, token_weights = 2 theta; decays = (mean eta, mean alpha)."""
     if gates == "chunk":
-        return 2 * theta[..., None], torch.stack([log_eta.exp().mean(-1), 1 - log_keep.exp().mean(-1)], -1)
+        return 2 * theta[..., None], torch.stack([log_eta.exp(), 1 - log_keep.exp()], -1).mean(-2)
     eta, keep = decay_products(torch.stack([log_eta, log_keep])).unbind(0)  # [t, i] = prod_{i<j<=t} eta_j
     to_end = keep[..., -1, :]  # [t] = prod_{t<j<=C} (1 - alpha_j)
     carried = (to_end[..., 1:] * eta[..., 1:, 0]).sum(-1)  # sum_t R_t E_t: the old momentum's share in M_C
