@@ -75,7 +75,7 @@ if [ "$NNODES" = 1 ] && [ "$NPROC_PER_NODE" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; 
     MASTER_ADDR=127.0.0.1 MASTER_PORT=0 "$PY" -m torchtitan_ext.training.train "$@" \
     > >(trap '' TERM; exec tee "$LOG_DIR/rank0.stdout.log") \
     2> >(trap '' TERM; exec tee "$LOG_DIR/rank0.stderr.log" >&2) || status=$?
-  wait  # for the tees to flush
+  wait || true  # for the tees to flush (their status is not the run's)
 else
   "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${rdzv[@]}" \
     --log-dir "$LOG_DIR" --redirects 3 --tee 3 --local-ranks-filter 0 \

@@ -27,11 +27,11 @@ def stacked(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def project_together(x: torch.Tensor, linears) -> list[torch.Tensor]:
     """x (..., in) through each of `linears`. Traced by torch.compile and all plain nn.Linear,
-    one matmul over their weights stacked along the outputs (one kernel forward and two backward instead of one
-    and two each; the same function, other rounding), each bias added to its own part after the
-    split (a pointwise add that fuses into the part's consumer, where the stacked bias, zero-padded,
-    was a kernel of its own at every call); eagerly, or when one is adapted (a LoRALinear,
-    models/grafts/lora.py, adds its own path), one by one."""
+    one matmul over their weights stacked along the outputs (one kernel forward and two backward
+    instead of one and two each; the same function, other rounding), each bias added to its own
+    part after the split (a pointwise add that fuses into the part's consumer; a zero-padded
+    stacked bias would be a kernel of its own at every call); eagerly, or when one is adapted (a
+    LoRALinear, models/grafts/lora.py, adds its own path), one by one."""
     if not compiling() or any(type(linear) is not nn.Linear for linear in linears):
         return [linear(x) for linear in linears]
     weight = torch.cat([linear.weight for linear in linears])
