@@ -34,6 +34,6 @@ def project_together(x: torch.Tensor, linears) -> list[torch.Tensor]:
     LoRALinear, models/grafts/lora.py, adds its own path), one by one."""
     if not compiling() or any(type(linear) is not nn.Linear for linear in linears):
         return [linear(x) for linear in linears]
-    weight = torch.cat([linear.weight for linear in linears])
+    weight, _ = stacked(linears)  # the stacked bias unused: traced, it is dropped from the graph
     parts = F.linear(x, weight).split([linear.out_features for linear in linears], -1)
     return [part if linear.bias is None else (part + linear.bias).to(part.dtype) for part, linear in zip(parts, linears)]

@@ -51,10 +51,9 @@ def train_env() -> dict:
 
 def launch(args: list[str], log: Path) -> int:
     """`bash scripts/train.sh ARGS` with its output in `log` and its per-rank logs and wandb
-    files beside it; the peak resident bytes of its process tree (sampled every 0.2 s; the
-    one rank alone since 2026-12-02, when train.sh stopped starting torchrun's agent for one
-    process: cells run before then count the agent's ~220 MB too). SystemExit naming the log
-    when it fails."""
+    files beside it; the peak resident bytes of its process tree (sampled every 0.2 s; for
+    one process the rank alone, which train.sh starts without torchrun's agent). SystemExit
+    naming the log when it fails."""
     import psutil
 
     env = {**train_env(), "LOG_DIR": str(log.parent / "logs"), "WANDB_DIR": str(log.parent)}
