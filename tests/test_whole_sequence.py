@@ -231,6 +231,11 @@ def test_whole_sequence_launches_do_not_grow_with_length(memory):
 
 LAYERS = {"titans": {}, "mela": {"gates": "chunk", "newton_schulz_steps": 5, "read_after_write": True, "step_scale": 0.5},
           "chunk_rule_plain": {"gates": "chunk", "residual": True}}
+# Measured over seeds 0-7 (2026-12-02, this test's shapes, an AVX-512 host): Mela's largest relative
+# error against float64 is 0.97e-5 to 3.0e-5 on the chunk loop and 1.4e-5 to 3.1e-5 on the kernels,
+# whichever is lower changing with the seed (whole / loop 0.68-1.93); Titans' 3e-7 to 5e-7, the
+# kernels the lower on every seed (0.70-0.94).
+ROUNDING_FLOOR = {"mela": 5e-5}
 
 
 def layer_run(layer, x, segments):
@@ -250,8 +255,8 @@ def test_whole_sequence_layer_matches_chunk_loop(name):
     """The memory layer through the whole-sequence path against the chunk loop, both fp32,
     both measured against the chunk loop in float64: outputs and every parameter's gradient,
     fed in two segments (the Titans layer's 20 tokens leave a pending partial chunk between
-    them). The kernels are at least as close to float64 as the loop (Newton-Schulz amplifies
-    fp32 rounding to about 3e-5 on both)."""
+    them). The kernels are at least as close to float64 as the loop, or, for Mela, inside the fp32
+    floor that Newton-Schulz's five steps amplify rounding to on both paths (ROUNDING_FLOOR)."""
     torch.manual_seed(0)
     memory = LAYERS[name]
     layers = [NeuralMemory(NeuralMemoryConfig(dim=32, n_heads=2, head_dim=16, chunk_size=8, whole_sequence=whole,
@@ -267,7 +272,7 @@ def test_whole_sequence_layer_matches_chunk_loop(name):
     truth = layer_run(exact, x.double(), segments)
     loop_error = max(relative_errors(loop, truth).values())
     whole_error = max(relative_errors(whole, truth).values())
-    assert whole_error <= 1.5 * loop_error + 1e-6, (whole_error, loop_error)
+    assert whole_error <= max(1.5 * loop_error, ROUNDING_FLOOR.get(name, 1e-6)), (whole_error, loop_error)
 
 
 def test_whole_sequence_falls_back_with_reason():
