@@ -113,7 +113,9 @@ def chunk_gates(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tens
     momentum_weights = theta * eta[..., -1, 1:]
     weight_weights = theta * (to_end[..., 1:, None] * eta[..., 1:, 1:]).sum(-2)  # a reduction, not a matmul: fuses
     token_weights = -2 * torch.stack([weight_weights, momentum_weights], -1)
-    mix = torch.stack([keep[..., -1, 0], carried, torch.zeros_like(carried), eta[..., -1, 0]], -1)
+    # [[R_0, carried], [0, E_C]] as one pointwise sum of padded entries (a stack of four would be
+    # four kernels under Inductor, one per entry)
+    mix = F.pad(keep[..., -1, :1], (0, 3)) + F.pad(carried[..., None], (1, 2)) + F.pad(eta[..., -1, :1], (3, 0))
     return token_weights, mix.unflatten(-1, (2, 2))
 
 

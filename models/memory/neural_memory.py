@@ -334,7 +334,10 @@ class NeuralMemory(nn.Module):
         return conved.transpose(1, 2), rest
 
     def _query_heads(self, q: torch.Tensor) -> torch.Tensor:
-        q = self._heads(q)
+        """Queries or keys (B, T, n H d) of n maps side by side -> (B, n H, T, d): heads, then the
+        SiLU and L2 norm of `qk_norm` (one reduction and one scale for all n: the write passes
+        its queries and keys together)."""
+        q = q.unflatten(-1, (-1, self.cfg.head_dim)).transpose(1, 2)
         return F.normalize(F.silu(q), dim=-1) if self.cfg.qk_norm else q
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -396,8 +399,8 @@ class NeuralMemory(nn.Module):
         y (B, H, T, d) in the state dtype, before `_output`, and the new state."""
         cfg = self.cfg
         qkv, conv = self._convolve(qkv, state.conv, slice(None))
-        q, k, v = qkv.chunk(3, -1)
-        q, k, v = self._query_heads(q), self._query_heads(k), self._heads(v)
+        qk, v = qkv.split([2 * cfg.n_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim], -1)
+        (q, k), v = self._query_heads(qk).chunk(2, 1), self._heads(v)
         if cfg.value_silu:
             v = F.silu(v)
         dtype, start_weights = state.weights[0].dtype, state.weights
