@@ -71,8 +71,9 @@ def test_one_and_two_processes_give_the_same_losses(family, launched):
 # tests/test_memory_llama.py and tests/test_mone.py (a block-level torch.compile, what torchtitan's
 # per-block compile does), their full AC there too. Mela compiles through aot_eager here
 # (`--compile.backend`): dynamo's fullgraph regions, their recompile limit and AOTAutograd's
-# forward/backward under full AC, as Inductor gets them, without CPU Inductor's C++ codegen of
-# the HMM (which GPU users do not run), 180 s of a cold cache on the CI machine (239 s -> ~60 s);
+# forward/backward graphs under full AC, the graphs Inductor would lower, without CPU Inductor's
+# C++ codegen of the HMM, which GPU users do not run and which cost most of the test with a cold
+# cache (239 s through Inductor on 2026-12-01's machine; 43 s through aot_eager on 2026-12-02's).
 # Inductor's lowering is held to eager on the transformer, Titans MAC and the grafts' blocks.
 MODES = {
     "transformer": {"compiled, full AC": ["--compile.enable", "activation-checkpoint:full"],
