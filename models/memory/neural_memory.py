@@ -302,7 +302,8 @@ class NeuralMemory(nn.Module):
         return torch.float64 if activation_dtype == torch.float64 else torch.float32
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        return t.unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim)).transpose(1, 2)
+        """(B, T, n head_dim) -> (B, n, T, head_dim): heads of one map (n = H) or of several side by side."""
+        return t.unflatten(-1, (-1, self.cfg.head_dim)).transpose(1, 2)
 
     def empty_state(self, batch: int, device=None, dtype: torch.dtype = torch.float32) -> MemoryState:
         """A fresh stream for activations of `dtype`: the initial weights in the state dtype."""
@@ -337,7 +338,7 @@ class NeuralMemory(nn.Module):
         """Queries or keys (B, T, n H d) of n maps side by side -> (B, n H, T, d): heads, then the
         SiLU and L2 norm of `qk_norm` (one reduction and one scale for all n: the write passes
         its queries and keys together)."""
-        q = q.unflatten(-1, (-1, self.cfg.head_dim)).transpose(1, 2)
+        q = self._heads(q)
         return F.normalize(F.silu(q), dim=-1) if self.cfg.qk_norm else q
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
