@@ -14,6 +14,8 @@
 - `kernels.whole_sequence.whole_sequence_memory(...)`: every chunk of a memory call in one
   forward and one backward launch (kernels/whole_sequence.py; used by the neural memory's
   `whole_sequence` option, not by "auto").
+- `kernels.memory_inputs.chunk_inputs(...)`: the whole-sequence kernels' inputs from the memory's
+  projections in one launch, for the one-step-per-chunk rule without conv (kernels/memory_inputs.py).
 backend "auto" runs what was measured fastest (`kernels/auto_table.py`): a table of (device
 kind, op, shape class) -> backend, compiled torch on CUDA where no kernel was measured
 faster (today everywhere: on an H100 the Triton paths were 1.2-2.3x slower for training),

@@ -25,15 +25,20 @@ def stacked(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
                               for linear in linears])
 
 
-def project_together(x: torch.Tensor, linears) -> list[torch.Tensor]:
+def project_together(x: torch.Tensor, linears, biases: bool = True) -> list[torch.Tensor]:
     """x (..., in) through each of `linears`. Traced by torch.compile and all plain nn.Linear,
     one matmul over their weights stacked along the outputs (one kernel forward and two backward
     instead of one and two each; the same function, other rounding), each bias added to its own
     part after the split (a pointwise add that fuses into the part's consumer; a zero-padded
     stacked bias would be a kernel of its own at every call); eagerly, or when one is adapted (a
-    LoRALinear, models/grafts/lora.py, adds its own path), one by one."""
-    if not compiling() or any(type(linear) is not nn.Linear for linear in linears):
-        return [linear(x) for linear in linears]
+    LoRALinear, models/grafts/lora.py, adds its own path), one by one. `biases=False` leaves the
+    biases out (for a consumer that adds them itself; plain nn.Linear only)."""
+    plain = all(type(linear) is nn.Linear for linear in linears)
+    if not biases and not plain:
+        raise TypeError("project_together(biases=False) takes plain nn.Linear maps only")
+    if not compiling() or not plain:
+        return [linear(x) if biases else F.linear(x, linear.weight) for linear in linears]
     weight, _ = stacked(linears)  # the stacked bias unused: traced, it is dropped from the graph
     parts = F.linear(x, weight).split([linear.out_features for linear in linears], -1)
-    return [part if linear.bias is None else (part + linear.bias).to(part.dtype) for part, linear in zip(parts, linears)]
+    return [part if linear.bias is None or not biases else (part + linear.bias).to(part.dtype)
+            for part, linear in zip(parts, linears)]

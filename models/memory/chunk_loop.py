@@ -166,14 +166,14 @@ def sequence_gates(token_weights, decays, rule: UpdateRule):
     return torch.cat([-rule.step_scale * token_weights, -token_weights], -1), mix
 
 
-def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: UpdateRule, checkpoint_every: int = 1):
-    """All chunks (inputs (B, H, N, C, ...) as `run_chunks`) through `kernels.whole_sequence_memory`
-    (one forward and one backward launch, the state of every `checkpoint_every`-th chunk kept;
-    with `rule.max_update_norm` the kernels clip each chunk's sums to `surprise_limit` of its
-    token weights, as `chunk_step` does), or None with a warning naming why it cannot (then the
-    caller runs the chunk loop). Returns (reads (B, H, N, C, d), final stacked state, surprise
-    sums clipped (0-dim; 0 without a bound))."""
-    token_weights, gates = sequence_gates(*chunk_gates(theta, log_eta, log_keep, rule.gates), rule)
+def whole_sequence_chunks(stacked, q, k, v, token_weights, decays, rule: UpdateRule, checkpoint_every: int = 1):
+    """All chunks (q, k, v (B, H, N, C, d); `chunk_gates`' token weights and decays) through
+    `kernels.whole_sequence_memory` (one forward and one backward launch, the state of every
+    `checkpoint_every`-th chunk kept; with `rule.max_update_norm` the kernels clip each chunk's
+    sums to `surprise_limit` of its token weights, as `chunk_step` does), or None with a warning
+    naming why it cannot (then the caller runs the chunk loop). Returns (reads (B, H, N, C, d),
+    final stacked state, surprise sums clipped (0-dim; 0 without a bound))."""
+    token_weights, gates = sequence_gates(token_weights, decays, rule)
     reason = whole_sequence_refusal(stacked, q, k, v, token_weights, gates, rule.ns_steps)
     if reason is not None:
         if not torch.compiler.is_compiling():
@@ -195,6 +195,16 @@ def whole_sequence_chunks(stacked, q, k, v, theta, log_eta, log_keep, rule: Upda
     return y.to(q.dtype), tuple(s.to(t.dtype) for s, t in zip(state, stacked)), clipped
 
 
+def _stacked(state: MemoryState) -> tuple:
+    """The state's [M; S] per weight matrix, (B, H, 2, in, out)."""
+    return tuple(torch.stack(pair, 2) for pair in zip(state.weights, state.momentum))
+
+
+def _unstacked(stacked) -> tuple[tuple, tuple]:
+    """`_stacked`'s inverse: (weights, momenta), views."""
+    return tuple(s[:, :, 0] for s in stacked), tuple(s[:, :, 1] for s in stacked)
+
+
 def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk: int,
                    rule: UpdateRule = UpdateRule(), compiled: bool = False, checkpoint_chunks: int = 0):
     """Read and write a stream. q (B, H, T, d) are the new tokens' queries; k, v, theta,
@@ -209,13 +219,13 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
         raise ValueError(f"a read-after-write memory takes whole chunks: {total} tokens is not a multiple of "
                          f"chunk_size {chunk}")
     chunks = full // chunk
-    stacked = tuple(torch.stack(pair, 2) for pair in zip(state.weights, state.momentum))  # (B, H, 2, in, out)
+    stacked = _stacked(state)
     if rule.gates == "token" and rule.backend == "auto":  # once per call, not per chunk
         rule = rule._replace(backend=token_step_backend("auto", stacked[0]))
     whole = None
     if rule.whole_sequence and chunks:
-        whole = whole_sequence_chunks(stacked, *(t[:, :, :full].unflatten(2, (-1, chunk))
-                                                 for t in (q, k, v, theta, log_eta, log_keep)), rule,
+        q_w, k_w, v_w, *gates = (t[:, :, :full].unflatten(2, (-1, chunk)) for t in (q, k, v, theta, log_eta, log_keep))
+        whole = whole_sequence_chunks(stacked, q_w, k_w, v_w, *chunk_gates(*gates, rule.gates), rule,
                                       max(checkpoint_chunks, 1))
     step = compiled_chunk_step() if compiled else chunk_step
     group = checkpoint_chunks if checkpoint_chunks and torch.is_grad_enabled() else max(chunks, 1)
@@ -231,11 +241,32 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
             if group < chunks else run_chunks(*args)
         outputs += ys
         clipped = clipped + clipped_group
-    weights, momentum = tuple(s[:, :, 0] for s in stacked), tuple(s[:, :, 1] for s in stacked)
+    weights, momentum = _unstacked(stacked)
     if full < total:
         outputs.append(mlp_forward(weights, q[:, :, full:], rule.residual)[0])
     y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2))[:, :, pending:]  # no copy of a lone part
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
+    return y, MemoryState(weights, momentum, new_pending, state.conv), _clipped_share(clipped, chunks, weights, rule)
+
+
+def _clipped_share(clipped, chunks: int, weights, rule: UpdateRule):
+    """The share of a call's surprise sums the bound clipped (None without one): `clipped` of the
+    chunks' sums, one per batch row, head and weight matrix (two with the per-token rule)."""
     sums = chunks * sum(w.shape[0] * w.shape[1] for w in weights) * (2 if rule.gates == "token" else 1)
-    share = clipped / max(sums, 1) if rule.max_update_norm else None
-    return y, MemoryState(weights, momentum, new_pending, state.conv), share
+    return clipped / max(sums, 1) if rule.max_update_norm else None
+
+
+def whole_chunks_memory(state: MemoryState, q, k, v, token_weights, decays, rule: UpdateRule,
+                        checkpoint_chunks: int = 0):
+    """Read and write whole chunks already laid out for the whole-sequence kernels (q, k, v
+    (B, H, N, C, d), `chunk_gates`' token weights and decays; e.g. `kernels.memory_inputs`'),
+    entering a state with nothing pending. Returns (y (B, H, N C, d), new state, share clipped)
+    as `chunked_memory`, or None (with its warning) where the kernels cannot take the call."""
+    stacked = _stacked(state)
+    whole = whole_sequence_chunks(stacked, q, k, v, token_weights, decays, rule, max(checkpoint_chunks, 1))
+    if whole is None:
+        return None
+    y, stacked, clipped = whole
+    weights, momentum = _unstacked(stacked)
+    return (y.flatten(2, 3), MemoryState(weights, momentum, state.pending, state.conv),
+            _clipped_share(clipped, q.shape[2], weights, rule))

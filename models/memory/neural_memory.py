@@ -88,6 +88,11 @@ Choices where the papers are silent (tested):
   (`max_update_norm`) is applied inside the kernels, as the chunk loop applies it. Depth 2,
   float32 state, a CUDA device (TRITON_INTERPRET=1 on CPU); anything else runs the chunk loop after a warning naming why. Off by default until
   a GPU measures it faster.
+  With the chunk rule and no conv (Mela's and MemoryLlama's memories), a call of whole chunks with
+  nothing pending and no diagnostics recorded prepares the kernels' inputs (q/k SiLU and L2 norm,
+  v, theta, the chunk means of eta and alpha, the layout) in one launch
+  (`kernels.memory_inputs.chunk_inputs`, from the projections before the gates' bias), where
+  Inductor makes about eleven kernels of `write`'s ops; the same values (tests/test_memory_inputs.py).
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
 - `max_update_norm = b` bounds the surprise; None (the default) means b = SURPRISE_BOUND = 20 for
@@ -149,9 +154,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.memory_inputs import chunk_inputs
+from kernels.memory_inputs import refusal as memory_inputs_refusal
 from models.layers.diagnostics import recording_on
 from models.layers.tracing import compiling, project_together
-from models.memory.chunk_loop import MemoryState, UpdateRule, chunked_memory
+from models.memory.chunk_loop import MemoryState, UpdateRule, chunked_memory, whole_chunks_memory
 from models.memory.chunk_write import mlp_forward
 
 GATE_RULES = ("token", "chunk")
@@ -407,21 +414,52 @@ class NeuralMemory(nn.Module):
         dtype, start_weights = state.weights[0].dtype, state.weights
         new = (k.to(dtype), v.to(dtype), *(g.to(dtype) for g in self._gates(gate_logits)))
         stream = [torch.cat([p, n], 2) for p, n in zip(state.pending, new)]
-        rule = UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale,
-                          cfg.residual, cfg.surprise_bound, cfg.whole_sequence)
-        y, state, clipped_share = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, rule,
+        y, state, clipped_share = chunked_memory(state, q.to(dtype), *stream, cfg.chunk_size, self._rule(),
                                                  cfg.compiled_chunk_step, cfg.checkpoint_chunks)
         if recording_on():
             self._note_stats(start_weights, state, new[2:], clipped_share)
         return y, MemoryState(*state[:3], conv)  # the constructor, not _replace (MemoryState)
 
+    def _rule(self) -> UpdateRule:
+        cfg = self.cfg
+        return UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale,
+                          cfg.residual, cfg.surprise_bound, cfg.whole_sequence)
+
     def forward(self, x: torch.Tensor, state: MemoryState | None = None):
         """x (B, T, dim) written and read from `state` (None: fresh) -> (y (B, T, dim), new state).
-        Traced by torch.compile, the two input projections run as one matmul (`project_together`)."""
+        Traced by torch.compile, the two input projections run as one matmul (`project_together`).
+        Where `_prepared_write` can take the call, the inputs between the projections and the
+        whole-sequence kernels are prepared in one launch."""
         if state is None:
             state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
-        y, state = self.write(*project_together(x, (self.to_qkv, self.to_gates)), state)
+        written = self._prepared_write(x, state) if self._prepares_inputs(x, state) else None
+        y, state = written or self.write(*project_together(x, (self.to_qkv, self.to_gates)), state)
         return self._output(y, x), state
+
+    def _prepares_inputs(self, x: torch.Tensor, state: MemoryState) -> bool:
+        """Whether a call may prepare its inputs with `kernels.memory_inputs` (one launch where
+        `write` takes about eleven under Inductor): the whole-sequence path with the chunk rule,
+        no conv, whole chunks and nothing pending, plain projections, and no diagnostics recorded
+        (they read the per-token gates)."""
+        cfg = self.cfg
+        return (cfg.whole_sequence and cfg.gates == "chunk" and not cfg.conv_kernel and not recording_on()
+                and x.shape[1] > 0 and x.shape[1] % cfg.chunk_size == 0 and state.pending[0].shape[2] == 0
+                and type(self.to_qkv) is nn.Linear and type(self.to_gates) is nn.Linear)
+
+    def _prepared_write(self, x: torch.Tensor, state: MemoryState):
+        """`write` for a call `_prepares_inputs` allows, its inputs from `kernels.memory_inputs.chunk_inputs`
+        (the same values: tests/test_memory_inputs.py). Returns (y (B, H, T, d), new state), or None
+        where the kernel or the whole-sequence kernels cannot take it (then `write` runs)."""
+        cfg = self.cfg
+        qkv, gate_logits = project_together(x, (self.to_qkv, self.to_gates), biases=False)
+        if memory_inputs_refusal(qkv, gate_logits, cfg.n_heads, cfg.chunk_size) is not None:
+            return None
+        q, k, v, token_weights, decays = chunk_inputs(
+            qkv, gate_logits, self.to_gates.bias, cfg.n_heads, cfg.chunk_size, cfg.max_lr, FORGET_LOGIT_OFFSET,
+            cfg.qk_norm, cfg.value_silu, cfg.momentum, cfg.forget)
+        rule = self._rule()
+        written = whole_chunks_memory(state, q, k, v, token_weights, decays, rule, cfg.checkpoint_chunks)
+        return None if written is None else written[:2]
 
     def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor | None) -> None:
         """Diagnostics of the last forward recorded (`models.layers.diagnostics.recording`; detached

@@ -1,0 +1,131 @@
+"""The memory's chunk inputs in one launch (kernels/memory_inputs.py): the Triton kernel (under
+TRITON_INTERPRET=1, set by conftest.py) against the torch reference, the op's hand-written
+backward against autograd through the reference in float64, and the layer through it against
+the layer's own preparation (`NeuralMemory.write`) on the whole-sequence path."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import models.memory.neural_memory as neural_memory
+from kernels.memory_inputs import chunk_inputs, chunk_inputs_reference
+from models.layers.diagnostics import recording
+from models.lms.mela import mela_memory
+from models.memory.neural_memory import FORGET_LOGIT_OFFSET, NeuralMemory
+
+# (qk_norm, value_silu, momentum, forget): Mela's, then every switch flipped at least once
+FLAGS = [(True, False, True, True), (False, True, False, True), (True, True, True, False)]
+
+
+def draw(batch, length, heads, dim, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, length, 3 * heads * dim, generator=g, dtype=torch.float64)
+    logits = 2 * torch.randn(batch, length, 3 * heads, generator=g, dtype=torch.float64)
+    bias = torch.randn(3 * heads, generator=g, dtype=torch.float64)
+    return qkv.to(dtype), logits.to(dtype), bias.to(dtype)
+
+
+@pytest.mark.parametrize("flags", FLAGS)
+@pytest.mark.parametrize("heads,dim,chunk", [(2, 64, 16), (3, 24, 6)])  # Mela 400m's head_dim; tiles padded
+def test_the_kernel_equals_the_reference(flags, heads, dim, chunk):
+    qkv, logits, bias = draw(2, 4 * chunk, heads, dim, torch.float32)
+    ours = chunk_inputs(qkv, logits, bias, heads, chunk, 0.01, FORGET_LOGIT_OFFSET, *flags)
+    reference = chunk_inputs_reference(qkv.double(), logits.double(), bias.double(), heads, chunk, 0.01,
+                                       FORGET_LOGIT_OFFSET, *flags)
+    for name, a, b in zip(("q", "k", "v", "token weights", "decays"), ours, reference):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-7), (name, (a.double() - b).abs().max().item())
+
+
+def test_bf16_inputs_come_out_rounded_as_the_layer_keeps_them():
+    qkv, logits, bias = draw(1, 32, 2, 16, torch.bfloat16)
+    q, k, v, token_weights, decays = chunk_inputs(qkv, logits, bias, 2, 8, 0.01, FORGET_LOGIT_OFFSET)
+    reference = chunk_inputs_reference(qkv, logits, bias, 2, 8, 0.01, FORGET_LOGIT_OFFSET)
+    for ours, theirs in zip((q, k, v), reference):
+        assert torch.equal(ours, ours.bfloat16().float())  # bf16 values in fp32
+        assert torch.allclose(ours, theirs, atol=2 ** -7, rtol=2 ** -7)
+    for ours, theirs in zip((token_weights, decays), reference[3:]):
+        assert torch.allclose(ours, theirs, rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("flags", FLAGS)
+def test_the_backward_equals_autograd_through_the_reference_in_float64(flags):
+    leaves = [t.requires_grad_() for t in draw(2, 12, 2, 5)]
+    ours = chunk_inputs(*leaves, 2, 4, 0.01, FORGET_LOGIT_OFFSET, *flags)  # float64: the op runs the reference
+    reference = chunk_inputs_reference(*leaves, 2, 4, 0.01, FORGET_LOGIT_OFFSET, *flags)
+    g = torch.Generator().manual_seed(1)
+    probes = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in reference]
+    grads = torch.autograd.grad(sum((t * p).sum() for t, p in zip(ours, probes)), leaves)
+    expected = torch.autograd.grad(sum((t * p).sum() for t, p in zip(reference, probes)), leaves, retain_graph=True)
+    for name, a, b in zip(("qkv", "gate logits", "bias"), grads, expected):
+        assert b.abs().max() > 0, name
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (name, (a - b).abs().max().item())
+    # outputs left unused arrive in the backward as None: they count as zero
+    q = chunk_inputs(*leaves, 2, 4, 0.01, FORGET_LOGIT_OFFSET, *flags)[0]
+    only_q = torch.autograd.grad((q * probes[0]).sum(), leaves)
+    expected_q = torch.autograd.grad((reference[0] * probes[0]).sum(), leaves, allow_unused=True, materialize_grads=True)
+    for a, b in zip(only_q, expected_q):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_mismatched_shapes_name_the_problem():
+    qkv, logits, bias = draw(1, 10, 2, 4, torch.float32)
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        chunk_inputs(qkv, logits, bias, 2, 4, 0.01, FORGET_LOGIT_OFFSET)
+    with pytest.raises(ValueError, match=r"\(B, T, 3 H\)"):
+        chunk_inputs(qkv, logits[..., :5], bias, 2, 5, 0.01, FORGET_LOGIT_OFFSET)
+
+
+def mela_layer(whole_sequence=True, read_after_write=True):
+    """Mela's memory at a width the interpreter runs in seconds (head_dim 8, hidden 16, chunk 4)."""
+    cfg = mela_memory(whole_sequence=whole_sequence, expansion=2).filled_by(
+        "test", dim=16, n_heads=2, head_dim=8, chunk_size=4, newton_schulz_steps=2, step_scale=1.0,
+        read_after_write=read_after_write)
+    torch.manual_seed(0)
+    layer = NeuralMemory(cfg)
+    with torch.no_grad():
+        layer.to_gates.bias.normal_()  # a bias that matters (zeros at init)
+    return layer
+
+
+def run(layer, x, prepared: bool):
+    """The layer's output, final weights and gradients, its inputs prepared by the op (where it
+    applies) or by `write`; also how often the op ran."""
+    calls = mock.Mock(wraps=neural_memory.chunk_inputs)
+    with mock.patch.object(neural_memory, "chunk_inputs", calls):
+        if prepared:
+            y, state = layer(x)
+        else:
+            with mock.patch.object(NeuralMemory, "_prepares_inputs", lambda *a: False):
+                y, state = layer(x)
+    grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.shape[-1])).sum(), [x, *layer.parameters()])
+    return y, state.weights, grads, calls.call_count
+
+
+def test_the_layer_through_the_op_equals_its_own_preparation():
+    layer = mela_layer()
+    x = torch.randn(1, 12, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    y, weights, grads, calls = run(layer, x, prepared=True)
+    y_ref, weights_ref, grads_ref, calls_ref = run(layer, x, prepared=False)
+    assert (calls, calls_ref) == (1, 0)
+    for a, b in zip((y, *weights, *grads), (y_ref, *weights_ref, *grads_ref)):  # fp32 rounding through Newton-Schulz
+        assert b.abs().max() > 0
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("case", ["diagnostics", "chunk loop", "partial chunk"])
+def test_the_layer_prepares_its_own_inputs_where_the_op_does_not_apply(case):
+    """Diagnostics read the per-token gates, the chunk loop takes no prepared input, a partial
+    chunk waits in the state: each call runs `write`, as `_prepares_inputs` says."""
+    layer = mela_layer(whole_sequence=case != "chunk loop", read_after_write=case != "partial chunk")
+    x = torch.randn(1, 10 if case == "partial chunk" else 8, 16)
+    _, _, _, calls = run(layer, x.requires_grad_(), prepared=True) if case != "diagnostics" else (None,) * 4
+    if case == "diagnostics":
+        counted = mock.Mock(wraps=neural_memory.chunk_inputs)
+        with mock.patch.object(neural_memory, "chunk_inputs", counted), recording():
+            layer(x)
+        calls = counted.call_count
+    assert calls == 0
