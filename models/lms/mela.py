@@ -343,41 +343,66 @@ class HierarchicalMemory(nn.Module):
     def recursion(self, x_p: torch.Tensor, l_states: tuple, h_states: tuple):
         """Hierarchical latent recursion (section 3.2) over patches x_p (B, N_p, m), N_p a
         multiple of C. Step k of the L-module (k = cycle * L + j) continues chain
-        l_states[k] per_step, chain 0 per_block; likewise the H-module's steps.
+        l_states[k] per_step, chain 0 per_block; likewise the H-module's steps. The cycles
+        before the last run under no_grad in `settle` (HRM's one-step gradient), the last with
+        the caller's grad mode.
         Returns the fused outputs (as `forward`) and the updated chains."""
         cfg = self.cfg
         shared = cfg.memory_chain == "per_block"
-        l_states, h_states = list(l_states), list(h_states)
         if shared:
-            l_states = [l_states[0] or self.l_module.fresh_states(x_p)]
-            h_states = [h_states[0] or self.h_module.fresh_states(x_p)]
+            l_states = (l_states[0] or self.l_module.fresh_states(x_p),)
+            h_states = (h_states[0] or self.h_module.fresh_states(x_p),)
             entering = l_states[0], h_states[0]
         else:  # fresh chains as states, not None: one call structure for the compiled modules
-            l_states = [states or self.l_module.fresh_states(x_p) for states in l_states]
-            h_states = [states or self.h_module.fresh_states(x_p) for states in h_states]
+            l_states = tuple(states or self.l_module.fresh_states(x_p) for states in l_states)
+            h_states = tuple(states or self.h_module.fresh_states(x_p) for states in h_states)
+        with torch.no_grad():
+            settled, l_states, h_states = self.settle(x_p, l_states, h_states)
         low = high = x_p  # the paper's l and h states
         zs, changes = [], {}
-        for cycle in range(cfg.h_cycles):
-            last = cycle == cfg.h_cycles - 1
+        for cycle, after in enumerate(settled + [None]):
             before = low.detach(), high.detach()
-            with torch.set_grad_enabled(last and torch.is_grad_enabled()):
-                if last and cycle > 0:
-                    low, high = low.detach(), high.detach()
-                    if shared:
-                        l_states[0], h_states[0] = map(straight_through, entering, (l_states[0], h_states[0]))
-                for step in range(cycle * cfg.l_cycles, (cycle + 1) * cfg.l_cycles):
-                    k = 0 if shared else step
-                    low, l_states[k] = uniform_call(self.l_module, low, high, x_p, l_states[k])
-                k = 0 if shared else cycle
-                high, h_states[k] = uniform_call(self.h_module, high, low, None, h_states[k])
+            if after is None:  # the last cycle
+                if cycle > 0 and shared:
+                    l_states, h_states = ((straight_through(entering[0], l_states[0]),),
+                                          (straight_through(entering[1], h_states[0]),))
+                low, high, l_states, h_states = self.cycle(cycle, low, high, x_p, l_states, h_states)
+            else:
+                low, high = after
             if recording_on():
-                changes |= {f"cycle{cycle}/{name}_change": relative_norm(after.detach() - prior, prior)
-                            for name, after, prior in (("l", low, before[0]), ("h", high, before[1]))}
-            if cfg.memstack or last:
+                changes |= {f"cycle{cycle}/{name}_change": relative_norm(now.detach() - prior, prior)
+                            for name, now, prior in (("l", low, before[0]), ("h", high, before[1]))}
+            if cfg.memstack or after is None:
                 zs.append(self.fusions[len(zs)](low, high))
         if recording_on():
             self.last_stats = changes
-        return zs, tuple(l_states), tuple(h_states)
+        return zs, l_states, h_states
+
+    def settle(self, x_p: torch.Tensor, l_states: tuple, h_states: tuple):
+        """The recursion's cycles before the last (`cycle`; the caller runs them under no_grad):
+        returns [(l, h) after each cycle], and the chains after them. One function, so that the
+        family compiles them as one graph (torchtitan_ext/families/mela.py `compile_hmm`), where
+        each weight's cast and each fused projection's stacking run once for all its calls."""
+        low = high = x_p
+        settled = []
+        for cycle in range(self.cfg.h_cycles - 1):
+            low, high, l_states, h_states = self.cycle(cycle, low, high, x_p, l_states, h_states)
+            settled.append((low, high))
+        return settled, l_states, h_states
+
+    def cycle(self, cycle: int, low: torch.Tensor, high: torch.Tensor, x_p: torch.Tensor, l_states: tuple,
+              h_states: tuple):
+        """One H-cycle: L steps of the L-module, then one of the H-module (section 3.2). States
+        (B, N_p, m) low, high; chains as `recursion`'s. Returns the new low, high and chains."""
+        cfg = self.cfg
+        shared = cfg.memory_chain == "per_block"
+        l_states, h_states = list(l_states), list(h_states)
+        for step in range(cycle * cfg.l_cycles, (cycle + 1) * cfg.l_cycles):
+            k = 0 if shared else step
+            low, l_states[k] = uniform_call(self.l_module, low, high, x_p, l_states[k])
+        k = 0 if shared else cycle
+        high, h_states[k] = uniform_call(self.h_module, high, low, None, h_states[k])
+        return low, high, tuple(l_states), tuple(h_states)
 
 
 def uniform_call(module: nn.Module, *inputs):
