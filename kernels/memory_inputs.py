@@ -32,6 +32,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import silu_grad
+
 try:
     import triton
 
@@ -71,6 +73,15 @@ def chunk_inputs_reference(qkv, gate_logits, bias, heads: int, chunk: int, max_l
     return q, k, v, (2 * max_lr * torch.sigmoid(theta))[..., None], torch.stack([eta, alpha], -1).mean(-2)
 
 
+def _shape_problem(qkv: torch.Tensor, gate_logits: torch.Tensor, heads: int, chunk: int) -> str | None:
+    """What is wrong with the shapes (None when they fit)."""
+    batch, length, width = qkv.shape
+    if width % (3 * heads) or tuple(gate_logits.shape) != (batch, length, 3 * heads) or length % chunk:
+        return (f"qkv {tuple(qkv.shape)}, gate logits {tuple(gate_logits.shape)}, heads {heads}, chunk {chunk}: "
+                f"expected (B, T, 3 H d) and (B, T, 3 H) with T a multiple of the chunk")
+    return None
+
+
 def refusal(qkv: torch.Tensor, gate_logits: torch.Tensor, heads: int, chunk: int) -> str | None:
     """Why `chunk_inputs` cannot take these inputs on the Triton kernel (None when it can)."""
     if _kernels is None:
@@ -79,10 +90,8 @@ def refusal(qkv: torch.Tensor, gate_logits: torch.Tensor, heads: int, chunk: int
         return f"the inputs are on {qkv.device}: the kernel needs a CUDA device (or TRITON_INTERPRET=1)"
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16) or gate_logits.dtype != qkv.dtype:
         return f"qkv {qkv.dtype}, gate logits {gate_logits.dtype}: the kernel takes one of float32 / bfloat16 / float16"
-    batch, length, width = qkv.shape
-    if width % (3 * heads) or tuple(gate_logits.shape) != (batch, length, 3 * heads) or length % chunk:
-        return (f"qkv {tuple(qkv.shape)}, gate logits {tuple(gate_logits.shape)}, chunk {chunk}: expected "
-                f"(B, T, 3 H d) and (B, T, 3 H) with T a multiple of the chunk")
+    if (problem := _shape_problem(qkv, gate_logits, heads, chunk)) is not None:
+        return problem
     if qkv.stride(-1) != 1 or gate_logits.stride(-1) != 1:
         return "qkv and gate logits need unit feature strides"
     return None
@@ -127,11 +136,6 @@ def _setup_context(ctx, inputs, output):
     ctx.options = options
 
 
-def _silu_grad(x: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
-
-
 def _normalized_silu_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """d/dx of <grad, normalize(silu(x))> over the last dim: with s = silu(x), n = max(||s||, eps),
     u = s / n: (grad - u <grad, u> [||s|| > eps]) / n times silu'(x)."""
@@ -140,7 +144,7 @@ def _normalized_silu_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     n = norm.clamp_min(NORM_EPS)
     u = s / n
     radial = torch.where(norm > NORM_EPS, u * (grad * u).sum(-1, keepdim=True), 0)
-    return (grad - radial) / n * _silu_grad(x)
+    return (grad - radial) / n * silu_grad(x)
 
 
 def _backward(ctx, dq, dk, dv, d_token_weights, d_decays):
@@ -158,7 +162,7 @@ def _backward(ctx, dq, dk, dv, d_token_weights, d_decays):
         grad = _unlayout(grad.to(out))
         if norm:
             return _normalized_silu_grad(x[:, :, part], grad)
-        return grad * _silu_grad(x[:, :, part]) if silu else grad
+        return grad * silu_grad(x[:, :, part]) if silu else grad
 
     d_qkv = torch.stack([head_grad(dq, 0, qk_norm, qk_norm), head_grad(dk, 1, qk_norm, qk_norm),
                          head_grad(dv, 2, False, value_silu)], 2).flatten(2)
@@ -190,9 +194,7 @@ def chunk_inputs(qkv, gate_logits, bias, heads: int, chunk: int, max_lr: float, 
     """The module docstring's (q, k, v, token weights, decays) through the custom op (one launch
     where `refusal` allows; the torch reference elsewhere). qkv (B, T, 3 H d), gate_logits
     (B, T, 3 H) without `bias` (3 H, or None); ValueError naming the shapes where they do not fit."""
-    batch, length, width = qkv.shape
-    if width % (3 * heads) or tuple(gate_logits.shape) != (batch, length, 3 * heads) or length % chunk:
-        raise ValueError(f"chunk_inputs: qkv {tuple(qkv.shape)}, gate logits {tuple(gate_logits.shape)}, heads {heads}, "
-                         f"chunk {chunk}: expected (B, T, 3 H d) and (B, T, 3 H) with T a multiple of the chunk")
+    if (problem := _shape_problem(qkv, gate_logits, heads, chunk)) is not None:
+        raise ValueError(f"chunk_inputs: {problem}")
     return _op(qkv, gate_logits, bias, heads, chunk, float(max_lr), float(forget_offset), qk_norm, value_silu,
                momentum, forget)

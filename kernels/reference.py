@@ -67,3 +67,9 @@ def memory_update_reference(weight: torch.Tensor, momentum: torch.Tensor, grad: 
     new_momentum = eta[..., None, None] * momentum - grad
     step = newton_schulz_reference(new_momentum, ns_steps, coefficients) if ns_steps else new_momentum
     return (1 - alpha)[..., None, None] * weight + step_scale * step, new_momentum
+
+
+def silu_grad(x: torch.Tensor) -> torch.Tensor:
+    """silu'(x) = s (1 + x (1 - s)), s = sigmoid(x)."""
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))

@@ -380,9 +380,9 @@ class HierarchicalMemory(nn.Module):
 
     def settle(self, x_p: torch.Tensor, l_states: tuple, h_states: tuple):
         """The recursion's cycles before the last (`cycle`; the caller runs them under no_grad):
-        returns [(l, h) after each cycle], and the chains after them. One function, so that the
-        family compiles them as one graph (torchtitan_ext/families/mela.py `compile_hmm`), where
-        each weight's cast and each fused projection's stacking run once for all its calls."""
+        returns [(l, h) after each cycle], and the chains after them. One function, the unit a
+        compile of the no-grad cycles as one graph would take (not compiled yet: `compile_hmm`
+        compiles the L- and H-module only)."""
         low = high = x_p
         settled = []
         for cycle in range(self.cfg.h_cycles - 1):

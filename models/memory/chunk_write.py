@@ -14,12 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import full_precision
+from kernels.reference import silu_grad
 from models.layers.tracing import compiling
-
-
-def silu_grad(x: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
 
 
 class SiluBackward(torch.autograd.Function):

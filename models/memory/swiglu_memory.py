@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import memory_update as kernel_memory_update
-from models.memory.chunk_write import silu_grad
+from kernels.reference import silu_grad
 
 RENORM_FLOOR = 1e-12  # a zero column stays zero
 
