@@ -403,3 +403,28 @@ def test_hmm_modules_compile_fullgraph_to_one_graph_per_grad_mode_and_match_eage
     assert len(compiled_grads) == len(eager_grads)
     for a, b in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_uniform_inputs_keep_a_stacked_states_weights_as_views_of_its_stacks(grad):
+    """A compiled module's inputs are made uniform (`uniform_inputs`); a memory state holding its
+    [M; S] stacks keeps weights and momenta as views of them (no copy: the same storage), each
+    stack's requires_grad equal to the grad mode, and the next write takes the stacks as they
+    are (`state_stacks` returns the state's own)."""
+    from models.lms.mela import uniform_inputs
+    from models.memory.chunk_loop import state_stacks
+
+    model = small_model()
+    block = model.hmm.l_module.blocks[0]
+    state = block.memory.empty_state(2, dtype=torch.float32)
+    x = torch.randn(2, 8, 32)
+    with torch.set_grad_enabled(grad):
+        same_x, uniform_state = uniform_inputs((x, state))
+    assert torch.equal(same_x, x)
+    assert uniform_state.stacked is not None and state_stacks(uniform_state) is uniform_state.stacked
+    for stack, weight, momentum in zip(uniform_state.stacked, uniform_state.weights, uniform_state.momentum):
+        assert stack.requires_grad == grad
+        assert weight.data_ptr() == stack.data_ptr() and momentum.data_ptr() == stack[:, :, 1].data_ptr()
+        assert weight.stride() == stack[:, :, 0].stride()
+    for before, after in zip(state.weights + state.momentum, uniform_state.weights + uniform_state.momentum):
+        assert torch.equal(before, after)

@@ -129,3 +129,20 @@ def test_the_layer_prepares_its_own_inputs_where_the_op_does_not_apply(case):
             layer(x)
         calls = counted.call_count
     assert calls == 0
+
+
+def test_a_refused_call_projects_once_and_equals_the_unprepared_layer():
+    """Where `_prepares_inputs` allows the op but the kernel refuses the call (here: forced), the
+    layer writes through `write` from the projections it already made, their biases added: one
+    projection per call, and the output and gradients of a layer that never tried the op."""
+    layer = mela_layer()
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    projections = mock.Mock(wraps=neural_memory.project_together)
+    with mock.patch.object(neural_memory, "memory_inputs_refusal", lambda *a: "refused for the test"), \
+            mock.patch.object(neural_memory, "project_together", projections):
+        y, weights, grads, calls = run(layer, x, prepared=True)
+    y_ref, weights_ref, grads_ref, _ = run(layer, x, prepared=False)
+    assert (calls, projections.call_count) == (0, 1)
+    for a, b in zip((y, *weights, *grads), (y_ref, *weights_ref, *grads_ref)):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

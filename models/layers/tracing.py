@@ -40,5 +40,10 @@ def project_together(x: torch.Tensor, linears, biases: bool = True) -> list[torc
         return [linear(x) if biases else F.linear(x, linear.weight) for linear in linears]
     weight, _ = stacked(linears)  # the stacked bias unused: traced, it is dropped from the graph
     parts = F.linear(x, weight).split([linear.out_features for linear in linears], -1)
-    return [part if linear.bias is None or not biases else (part + linear.bias).to(part.dtype)
-            for part, linear in zip(parts, linears)]
+    return [with_bias(part, linear) if biases else part for part, linear in zip(parts, linears)]
+
+
+def with_bias(part: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """A projection `part` (..., out) computed without its bias, plus `linear`'s bias (if any) in
+    the part's dtype."""
+    return part if linear.bias is None else (part + linear.bias).to(part.dtype)

@@ -91,7 +91,7 @@ from torch.utils._pytree import tree_map
 from models.layers.diagnostics import recording_on
 from models.layers.ffn import swiglu_hidden
 from models.layers.tracing import compiling
-from models.memory.chunk_loop import MemoryState
+from models.memory.chunk_loop import MemoryState, stacked_state, state_stacks
 from models.memory.neural_memory import NeuralMemory, NeuralMemoryConfig
 from models.layers.decoder import Attention, DecoderBlock
 
@@ -380,9 +380,8 @@ class HierarchicalMemory(nn.Module):
 
     def settle(self, x_p: torch.Tensor, l_states: tuple, h_states: tuple):
         """The recursion's cycles before the last (`cycle`; the caller runs them under no_grad):
-        returns [(l, h) after each cycle], and the chains after them. One function, the unit a
-        compile of the no-grad cycles as one graph would take (not compiled yet: `compile_hmm`
-        compiles the L- and H-module only)."""
+        returns [(l, h) after each cycle], and the chains after them. Not compiled as one graph:
+        tried on 2026-12-03, it removed 12 of mela_400m's 7,318 launches a step (docs/benchmarks.md)."""
         low = high = x_p
         settled = []
         for cycle in range(self.cfg.h_cycles - 1):
@@ -421,17 +420,31 @@ def uniform_call(module: nn.Module, *inputs):
     module gets them unchanged too (no copies on the uncompiled path)."""
     if module._compiled_call_impl is None or torch.compiler.is_compiling():
         return module(*inputs)
+    return module(*uniform_inputs(inputs))
+
+
+def uniform_inputs(inputs: tuple) -> tuple:
+    """`inputs` (tensors and memory states nested in tuples) with every floating tensor
+    contiguous (an empty one replaced by zeros: strides too are guarded) and its requires_grad
+    equal to the grad mode: detached under no_grad, a detached leaf that requires grad under
+    grad (`uniform_call`). A state holding its [M; S] stacks (`MemoryState.stacked`) is rebuilt
+    as views of its stacks made uniform, so its weights and momenta keep the stacks' strides
+    instead of being copied to contiguous tensors at every call."""
     grad = torch.is_grad_enabled()
 
     def uniform(t):
+        if isinstance(t, MemoryState):
+            if t.stacked is not None:
+                return stacked_state(*tree_map(uniform, (t.stacked, t.pending, t.conv)))
+            return MemoryState(*tree_map(uniform, tuple(t)))
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return t
-        t = t.contiguous() if t.numel() else t.new_zeros(t.shape)  # strides too are guarded
+        t = t.contiguous() if t.numel() else t.new_zeros(t.shape)
         if t.requires_grad == grad:
             return t
         return t.detach().requires_grad_() if grad else t.detach()
 
-    return module(*tree_map(uniform, inputs))
+    return tree_map(uniform, inputs, is_leaf=lambda t: isinstance(t, MemoryState))
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -462,12 +475,13 @@ def carry(before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
 def straight_through(entering: tuple, after: tuple) -> tuple:
     """Block states `after` the no-grad cycles, whose weights and momenta pass gradient to
     the `entering` states as the identity: the value of M_after, the gradient of M_entering
-    (`carry`). The no-grad cycles' writes enter as constant increments (HRM's
-    one-step gradient, applied to the memory chain), so a per_block chain's initial weights
-    and earlier chunks' writes still learn when H > 1."""
-    return tuple(None if now is None else now._replace(
-        weights=tuple(map(carry, before.weights, now.weights)), momentum=tuple(map(carry, before.momentum, now.momentum)))
-        for before, now in zip(entering, after))
+    (`carry`, on the [M; S] stacks, whose views the new states' weights and momenta are). The
+    no-grad cycles' writes enter as constant increments (HRM's one-step gradient, applied to
+    the memory chain), so a per_block chain's initial weights and earlier chunks' writes still
+    learn when H > 1."""
+    return tuple(None if now is None else
+                 stacked_state(tuple(map(carry, state_stacks(before), state_stacks(now))), now.pending, now.conv)
+                 for before, now in zip(entering, after))
 
 
 def relative_norm(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,11 @@ class MemoryState(NamedTuple):
     """weights, momentum: tuples of (B, H, in, out) in the state dtype; `pending` holds the
     (k, v, theta, log_eta, log_keep) of a not-yet-complete chunk: (B, H, n, d) / (B, H, n),
     log_keep = log(1 - alpha); `conv` (B, conv_kernel - 1, 3 * H * d) the last q/k/v
-    projections before the conv (empty when there is no conv).
+    projections before the conv (empty when there is no conv); `stacked`: the [M; S] per weight
+    matrix (B, H, 2, in, out) whose views weights and momentum are (`stacked_state`), which the
+    next write takes as it is (no stack copied at each call), or None (then the write stacks
+    weights and momentum itself). A state whose weights or momenta are replaced must drop it
+    (the constructor without it) or rebuild it (`stacked_state`).
 
     Code that torch.compile traces builds a new state with the constructor, never `_replace`:
     a state made by `_replace` inside a graph torch 2.11 compiled came back to Python malformed
@@ -40,9 +44,19 @@ class MemoryState(NamedTuple):
     momentum: tuple[torch.Tensor, ...]
     pending: tuple[torch.Tensor, ...]
     conv: torch.Tensor
+    stacked: tuple[torch.Tensor, ...] | None = None
 
     def detach(self) -> "MemoryState":
+        if self.stacked is not None:
+            return stacked_state(tuple(s.detach() for s in self.stacked), tuple(t.detach() for t in self.pending),
+                                 self.conv.detach())
         return MemoryState(*(tuple(t.detach() for t in part) for part in self[:3]), self.conv.detach())
+
+
+def stacked_state(stacked: tuple, pending: tuple, conv: torch.Tensor) -> MemoryState:
+    """The state whose weights and momenta are the views of `stacked` ((B, H, 2, in, out) per matrix)."""
+    weights, momentum = _unstacked(stacked)
+    return MemoryState(weights, momentum, pending, conv, stacked)
 
 
 class UpdateRule(NamedTuple):
@@ -195,13 +209,16 @@ def whole_sequence_chunks(stacked, q, k, v, token_weights, decays, rule: UpdateR
     return y.to(q.dtype), tuple(s.to(t.dtype) for s, t in zip(state, stacked)), clipped
 
 
-def _stacked(state: MemoryState) -> tuple:
-    """The state's [M; S] per weight matrix, (B, H, 2, in, out)."""
+def state_stacks(state: MemoryState) -> tuple:
+    """The state's [M; S] per weight matrix, (B, H, 2, in, out): the state's own `stacked` where
+    it holds them, else stacked here."""
+    if state.stacked is not None:
+        return state.stacked
     return tuple(torch.stack(pair, 2) for pair in zip(state.weights, state.momentum))
 
 
 def _unstacked(stacked) -> tuple[tuple, tuple]:
-    """`_stacked`'s inverse: (weights, momenta), views."""
+    """`state_stacks`'s inverse: (weights, momenta), views."""
     return tuple(s[:, :, 0] for s in stacked), tuple(s[:, :, 1] for s in stacked)
 
 
@@ -219,7 +236,7 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
         raise ValueError(f"a read-after-write memory takes whole chunks: {total} tokens is not a multiple of "
                          f"chunk_size {chunk}")
     chunks = full // chunk
-    stacked = _stacked(state)
+    stacked = state_stacks(state)
     if rule.gates == "token" and rule.backend == "auto":  # once per call, not per chunk
         rule = rule._replace(backend=token_step_backend("auto", stacked[0]))
     whole = None
@@ -241,12 +258,12 @@ def chunked_memory(state: MemoryState, q, k, v, theta, log_eta, log_keep, chunk:
             if group < chunks else run_chunks(*args)
         outputs += ys
         clipped = clipped + clipped_group
-    weights, momentum = _unstacked(stacked)
-    if full < total:
-        outputs.append(mlp_forward(weights, q[:, :, full:], rule.residual)[0])
-    y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2))[:, :, pending:]  # no copy of a lone part
     new_pending = tuple(t[:, :, full:] for t in (k, v, theta, log_eta, log_keep))
-    return y, MemoryState(weights, momentum, new_pending, state.conv), _clipped_share(clipped, chunks, weights, rule)
+    new_state = stacked_state(stacked, new_pending, state.conv)
+    if full < total:
+        outputs.append(mlp_forward(new_state.weights, q[:, :, full:], rule.residual)[0])
+    y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2))[:, :, pending:]  # no copy of a lone part
+    return y, new_state, _clipped_share(clipped, chunks, new_state.weights, rule)
 
 
 def _clipped_share(clipped, chunks: int, weights, rule: UpdateRule):
@@ -262,11 +279,10 @@ def whole_chunks_memory(state: MemoryState, q, k, v, token_weights, decays, rule
     (B, H, N, C, d), `chunk_gates`' token weights and decays; e.g. `kernels.memory_inputs`'),
     entering a state with nothing pending. Returns (y (B, H, N C, d), new state, share clipped)
     as `chunked_memory`, or None (with its warning) where the kernels cannot take the call."""
-    stacked = _stacked(state)
+    stacked = state_stacks(state)
     whole = whole_sequence_chunks(stacked, q, k, v, token_weights, decays, rule, max(checkpoint_chunks, 1))
     if whole is None:
         return None
     y, stacked, clipped = whole
-    weights, momentum = _unstacked(stacked)
-    return (y.flatten(2, 3), MemoryState(weights, momentum, state.pending, state.conv),
-            _clipped_share(clipped, q.shape[2], weights, rule))
+    new_state = stacked_state(stacked, state.pending, state.conv)
+    return y.flatten(2, 3), new_state, _clipped_share(clipped, q.shape[2], new_state.weights, rule)

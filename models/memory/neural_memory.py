@@ -157,8 +157,8 @@ from torch import nn
 from kernels.memory_inputs import chunk_inputs
 from kernels.memory_inputs import refusal as memory_inputs_refusal
 from models.layers.diagnostics import recording_on
-from models.layers.tracing import compiling, project_together
-from models.memory.chunk_loop import MemoryState, UpdateRule, chunked_memory, whole_chunks_memory
+from models.layers.tracing import compiling, project_together, with_bias
+from models.memory.chunk_loop import MemoryState, UpdateRule, chunked_memory, stacked_state, whole_chunks_memory
 from models.memory.chunk_write import mlp_forward
 
 GATE_RULES = ("token", "chunk")
@@ -313,7 +313,8 @@ class NeuralMemory(nn.Module):
         return t.unflatten(-1, (-1, self.cfg.head_dim)).transpose(1, 2)
 
     def empty_state(self, batch: int, device=None, dtype: torch.dtype = torch.float32) -> MemoryState:
-        """A fresh stream for activations of `dtype`: the initial weights in the state dtype."""
+        """A fresh stream for activations of `dtype`: the initial weights in the state dtype, zero
+        momenta, both views of one stack per matrix (`MemoryState.stacked`)."""
         state_dtype = self.state_dtype(dtype)
         weights = tuple(w.to(state_dtype).expand(batch, *w.shape) for w in self.initial())
         h, d = self.cfg.n_heads, self.cfg.head_dim
@@ -322,7 +323,7 @@ class NeuralMemory(nn.Module):
             like.new_zeros(batch, h, 0) for _ in range(3)
         )
         conv = torch.zeros(batch, max(self.cfg.conv_kernel - 1, 0), 3 * h * d, device=like.device, dtype=dtype)
-        return MemoryState(weights, tuple(torch.zeros_like(w) for w in weights), pending, conv)
+        return stacked_state(tuple(torch.stack((w, torch.zeros_like(w)), 2) for w in weights), pending, conv)
 
     def _convolve(self, projected: torch.Tensor, history: torch.Tensor, channels: slice):
         """Causal depthwise conv of projected (B, T, c) after history (B, K-1, c) over the
@@ -418,7 +419,7 @@ class NeuralMemory(nn.Module):
                                                  cfg.compiled_chunk_step, cfg.checkpoint_chunks)
         if recording_on():
             self._note_stats(start_weights, state, new[2:], clipped_share)
-        return y, MemoryState(*state[:3], conv)  # the constructor, not _replace (MemoryState)
+        return y, MemoryState(*state[:3], conv, state.stacked)  # the constructor, not _replace (MemoryState)
 
     def _rule(self) -> UpdateRule:
         cfg = self.cfg
@@ -432,8 +433,13 @@ class NeuralMemory(nn.Module):
         whole-sequence kernels are prepared in one launch."""
         if state is None:
             state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
-        written = self._prepared_write(x, state) if self._prepares_inputs(x, state) else None
-        y, state = written or self.write(*project_together(x, (self.to_qkv, self.to_gates)), state)
+        linears = self.to_qkv, self.to_gates
+        prepares = self._prepares_inputs(x, state)
+        qkv, gate_logits = project_together(x, linears, biases=not prepares)
+        written = self._prepared_write(qkv, gate_logits, state) if prepares else None
+        if written is None and prepares:  # refused: the biases the prepared path would have added
+            qkv, gate_logits = (with_bias(part, linear) for part, linear in zip((qkv, gate_logits), linears))
+        y, state = written or self.write(qkv, gate_logits, state)
         return self._output(y, x), state
 
     def _prepares_inputs(self, x: torch.Tensor, state: MemoryState) -> bool:
@@ -446,12 +452,13 @@ class NeuralMemory(nn.Module):
                 and x.shape[1] > 0 and x.shape[1] % cfg.chunk_size == 0 and state.pending[0].shape[2] == 0
                 and type(self.to_qkv) is nn.Linear and type(self.to_gates) is nn.Linear)
 
-    def _prepared_write(self, x: torch.Tensor, state: MemoryState):
-        """`write` for a call `_prepares_inputs` allows, its inputs from `kernels.memory_inputs.chunk_inputs`
+    def _prepared_write(self, qkv: torch.Tensor, gate_logits: torch.Tensor, state: MemoryState):
+        """`write` for a call `_prepares_inputs` allows, from the projections without their biases
+        (qkv (B, T, 3 H d), gate_logits (B, T, 3 H)), its inputs from `kernels.memory_inputs.chunk_inputs`
         (the same values: tests/test_memory_inputs.py). Returns (y (B, H, T, d), new state), or None
-        where the kernel or the whole-sequence kernels cannot take it (then `write` runs)."""
+        where the kernel or the whole-sequence kernels cannot take it (then `write` runs on the
+        same projections, their biases added)."""
         cfg = self.cfg
-        qkv, gate_logits = project_together(x, (self.to_qkv, self.to_gates), biases=False)
         if memory_inputs_refusal(qkv, gate_logits, cfg.n_heads, cfg.chunk_size) is not None:
             return None
         q, k, v, token_weights, decays = chunk_inputs(
