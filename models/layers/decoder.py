@@ -163,11 +163,14 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(self.wg(x) if gate_logits is None else gate_logits)
         return self.wo(out)
 
+    def projection_groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
+        """The linear maps `forward` projects together: q, k, v and the output gate's W_g."""
+        return ((self.wq, self.wk, self.wv, *((self.wg,) if self.wg is not None else ())),)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, doc_positions: torch.Tensor | None = None):
         """x (B, L, dim); positions (L,) or (B, L) for RoPE; doc_positions (B, L) or None for masking.
         q, k, v and the output gate's W_g x are projected together (`project_together`)."""
-        gated = (self.wg,) if self.wg is not None else ()
-        q, k, v, *gate_logits = project_together(x, (self.wq, self.wk, self.wv, *gated))
+        q, k, v, *gate_logits = project_together(x, self.projection_groups()[0])
         q, k, v = self._rotated_heads(q, k, v, positions)
         if self.cfg.prefix_keys and recording_on():
             self._note_prefix_mass(q, k)

@@ -1,12 +1,16 @@
 """What model code does differently while torch.compile traces it: `compiling()` behind one
 name (so that a cost model, `torchtitan_ext/step_cost/`, can answer it for the regions it
-treats as compiled), and linear maps of one input run as one matmul there (`project_together`)."""
+treats as compiled), and linear maps of one input run as one matmul there (`project_together`),
+over a stack of their weights that a caller may prepare once for many calls (`prepared_stack`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+PREPARED_STACK = "prepared_stack"  # the attribute `prepared_stack` reads on a group's first linear
 
 
 def compiling() -> bool:
@@ -38,9 +42,20 @@ def project_together(x: torch.Tensor, linears, biases: bool = True) -> list[torc
         raise TypeError("project_together(biases=False) takes plain nn.Linear maps only")
     if not compiling() or not plain:
         return [linear(x) if biases else F.linear(x, linear.weight) for linear in linears]
-    weight, _ = stacked(linears)  # the stacked bias unused: traced, it is dropped from the graph
+    weight = prepared_stack(linears)
     parts = F.linear(x, weight).split([linear.out_features for linear in linears], -1)
     return [with_bias(part, linear) if biases else part for part, linear in zip(parts, linears)]
+
+
+def prepared_stack(linears) -> torch.Tensor:
+    """The weights of `linears` stacked (`stacked`), or the stack a caller prepared for this
+    group: a tensor set as `linears[0].prepared_stack` for the duration of a call
+    (`models.layers.autocast_weights.call_with_linear_weights_cast`: cast once a forward, so each
+    call does not stack them again) when its rows are the group's."""
+    prepared = getattr(linears[0], PREPARED_STACK, None)
+    if prepared is not None and prepared.shape[0] == sum(linear.out_features for linear in linears):
+        return prepared
+    return stacked(linears)[0]  # the stacked bias unused: traced, it is dropped from the graph
 
 
 def with_bias(part: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

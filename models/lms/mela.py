@@ -71,6 +71,10 @@ Choices where the paper is silent (each tested in tests/test_mela.py):
   the HMM's parameters stay in the model, unused.
 - Token embeddings are shared by the HMM and the decoder and tied to the output head (the
   paper's Table 1 leaves only "embedding and output projection" outside memory/language).
+- Under autocast the HMM's Linear weights are cast once a forward and handed to its module
+  steps (`models/layers/autocast_weights.py`: the same forward values; their gradients summed
+  in bf16 before the one cast back, as eager autocast's weight cache and FSDP2's bf16
+  parameters do; tests/test_autocast_weights.py).
 - Streaming (`stream`): the state (neural memories of every HMM block, the last chunk's
   memory tokens) is carried from call to call, so a long text is evaluated segment by
   segment with constant memory; segments must be whole chunks except the last.
@@ -88,6 +92,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from models.layers.autocast_weights import call_with_linear_weights_cast
 from models.layers.diagnostics import recording_on
 from models.layers.ffn import swiglu_hidden
 from models.layers.tracing import compiling
@@ -588,7 +593,8 @@ class Mela(nn.Module):
         full = length // span * span
         l_states, h_states = state.l_states, state.h_states
         if full and cfg.memory_path:
-            zs, l_states, h_states = self.hmm(x[:, :full], l_states, h_states)
+            # its L- and H-modules run 40 times a step at 400m: their weights cast once (autocast_weights)
+            zs, l_states, h_states = call_with_linear_weights_cast(self.hmm, x[:, :full], l_states, h_states)
         elif full:  # the control: every chunk reads what chunk 0 of a fresh stream reads
             zs = [t.repeat(1, full // span, 1) for t in self.initial_state(batch).memory_tokens]
         else:

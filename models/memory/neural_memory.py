@@ -426,6 +426,10 @@ class NeuralMemory(nn.Module):
         return UpdateRule(cfg.gates, cfg.newton_schulz_steps, cfg.kernel_backend, cfg.read_after_write, cfg.step_scale,
                           cfg.residual, cfg.surprise_bound, cfg.whole_sequence)
 
+    def projection_groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
+        """The linear maps `forward` projects together: q/k/v and the gates."""
+        return ((self.to_qkv, self.to_gates),)
+
     def forward(self, x: torch.Tensor, state: MemoryState | None = None):
         """x (B, T, dim) written and read from `state` (None: fresh) -> (y (B, T, dim), new state).
         Traced by torch.compile, the two input projections run as one matmul (`project_together`).
@@ -433,7 +437,7 @@ class NeuralMemory(nn.Module):
         whole-sequence kernels are prepared in one launch."""
         if state is None:
             state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
-        linears = self.to_qkv, self.to_gates
+        (linears,) = self.projection_groups()
         prepares = self._prepares_inputs(x, state)
         qkv, gate_logits = project_together(x, linears, biases=not prepares)
         written = self._prepared_write(qkv, gate_logits, state) if prepares else None

@@ -40,7 +40,8 @@ another branch (each switch is undone after the step):
   fp32 list (softmax, log_softmax, cross_entropy, exp, log, pow, sum, ...) lifts bf16 inputs
   to fp32 (sum, cumsum, prod, softmax, log_softmax through their dtype argument, as autocast
   does), leaving nn.RMSNorm in its input's dtype; `kernels.full_precision` (autocast off around the fast-weight state update) turns
-  the emulation off as it turns autocast off on CUDA. Inside a checkpointed region's
+  the emulation off as it turns autocast off on CUDA, and `models.layers.autocast_weights`
+  sees the emulated dtype (Mela's HMM weights cast once a forward, as on CUDA). Inside a checkpointed region's
   recompute autocast is on, as torch's checkpoint restores it; elsewhere in backward off.
 - SDPA runs as the CUDA kernels would: flash attention (`_scaled_dot_product_flash_attention`,
   GQA native) without a mask, memory-efficient attention with one (meta would run SDPA's

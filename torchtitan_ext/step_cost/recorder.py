@@ -407,10 +407,14 @@ def _cuda_paths(rec: _Recorder):
     """The CUDA branches the meta device would not take (module docstring)."""
     import kernels.token_step
     import models.layers.attention
+    import models.layers.autocast_weights
     import models.layers.tracing
 
     def full_precision(device):
         return rec.no_autocast()
+
+    def autocast_dtype(device):  # the emulated autocast's (meta has none)
+        return torch.bfloat16 if rec.autocast_active() else None
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_rebound(kernels.token_step.full_precision, full_precision))
@@ -418,6 +422,7 @@ def _cuda_paths(rec: _Recorder):
                                      _eager_flex_attention(rec, rec.compiled)))
         stack.enter_context(_rebound(models.layers.attention.flex_block_mask, models.layers.attention._block_mask))
         stack.enter_context(_rebound(models.layers.tracing.compiling, lambda: rec.tag_now().compiled))
+        stack.enter_context(_rebound(models.layers.autocast_weights.autocast_dtype, autocast_dtype))
         yield
 
 
