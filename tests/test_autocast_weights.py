@@ -65,9 +65,9 @@ def test_a_weight_used_three_times_is_cast_once_with_the_same_output():
     assert per_use.count((8, 8)) == 3 and per_use.count((8,)) == 3
     assert once.count((8, 8)) == 0 and once.count((8,)) == 0 and once.count((8 * 8 + 8,)) == 1
     assert torch.equal(results["once"][0], results["per_use"][0])
-    for once, per_use in zip(results["once"][2:], results["per_use"][2:]):
-        assert once.dtype == torch.float32
-        torch.testing.assert_close(once, per_use, rtol=2e-2, atol=1e-3)
+    for grad_once, grad_per_use in zip(results["once"][2:], results["per_use"][2:]):
+        assert grad_once.dtype == torch.float32
+        torch.testing.assert_close(grad_once, grad_per_use, rtol=2e-2, atol=1e-3)
 
 
 def test_without_autocast_nothing_is_cast():
