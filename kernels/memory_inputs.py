@@ -1,21 +1,29 @@
 """The neural memory's chunk inputs in one launch: from its q/k/v projection and gate logits to
-the whole-sequence kernels' inputs (kernels/whole_sequence.py), for the one-step-per-chunk rule
-(Mela's; models/memory/neural_memory.py states the layer) without a convolution.
+the whole-sequence kernels' inputs (kernels/whole_sequence.py), for either write rule
+(models/memory/neural_memory.py states the layer): Mela's one step per chunk without a
+convolution, and Titans' per-token rule after its causal depthwise convolution.
 
 From qkv (B, T, 3 H d) (`to_qkv`'s output: q, k, v side by side, each H heads of d) and gate
 logits (B, T, 3 H) (`to_gates`' output before its bias: theta, eta, alpha logits), T = N C:
 
-    q, k = normalize(silu(.)) per head and token (`qk_norm`; else as projected)
-    v = silu(.) (`value_silu`; else as projected)
+    with a conv (weight (3 H d, 1, K), history h (B, K-1, 3 H d): the K-1 projections before):
+        x_t = sum_j w_j [h; qkv]_{t+j}   per channel (the layer's `_convolve`), else x = qkv
+    q, k = normalize(silu(.)) per head and token (`qk_norm`; else as convolved)
+    v = silu(.) (`value_silu`; else as convolved)
     theta_t = max_lr sigmoid(l_theta + b_theta),  eta_t = sigmoid(l_eta + b_eta)  (0 without momentum)
     alpha_t = 1 - sigmoid(-(l_alpha + b_alpha + offset))  (0 without forgetting)
-    token weights (B, H, N, C, 1) = 2 theta_t,  decays (B, H, N, 2) = (mean_c eta_t, mean_c alpha_t)
+    gates "chunk": token weights (B, H, N, C, 1) = 2 theta_t,  decays (B, H, N, 2) = (mean_c eta_t, mean_c alpha_t)
+    gates "token": over a chunk's tokens 1..C (0 = the chunk start), P[t, i] = prod_{i<j<=t} eta_j,
+        R_t = prod_{t<j<=C} (1 - alpha_j):
+        token weights (B, H, N, C, 2) = -2 theta_i (sum_{t>=i} R_t P[t, i], P[C, i]),
+        decays (B, H, N, 2, 2) = [[R_0, sum_{t>=1} R_t P[t, 0]], [0, P[C, 0]]]
 
 q, k, v come out (B, H, N, C, d), everything float32 (float64 in the torch reference for
-float64 inputs). These are `NeuralMemory._query_heads`, `_gates` and `chunk_gates(..., "chunk")`
+float64 inputs). These are `NeuralMemory._convolve`, `_query_heads`, `_gates` and `chunk_gates`
 (models/memory/chunk_write.py) composed: the layer computes them so on every other path, in
-about eleven kernels under Inductor. Values the layer keeps in the activation dtype (q, k, v and
-the biased logits, e.g. bf16 under autocast) are rounded to it here too before the float32 cast.
+about eleven kernels under Inductor (seventeen a call with Titans' conv and per-token rule).
+Values the layer keeps in the activation dtype (the convolved projections, q, k, v and the
+biased logits, e.g. bf16 under autocast) are rounded to it here too before the float32 cast.
 
 `chunk_inputs` runs `memory_inputs::chunk_inputs`, a custom op torch.compile keeps opaque (one
 launch on a GPU: kernels/memory_inputs_triton.py; under TRITON_INTERPRET=1 the same kernel on
@@ -42,6 +50,7 @@ except ImportError:  # the torch reference needs no triton (a Hugging Face expor
     triton = _kernels = None
 
 NORM_EPS = 1e-12  # F.normalize's
+GATES = ("chunk", "token")
 
 
 def _layout(t: torch.Tensor, heads: int, chunk: int) -> torch.Tensor:
@@ -54,11 +63,44 @@ def _unlayout(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(2, 3).transpose(1, 2)
 
 
+def _conv_reference(qkv: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise conv of qkv (B, T, c) after history (B, K-1, c), weight (c, 1, K), by
+    F.conv1d in float32 at least, rounded to qkv's dtype (as the layer keeps it)."""
+    wide = torch.promote_types(qkv.dtype, torch.float32)
+    padded = torch.cat([history.to(qkv.dtype), qkv], 1).to(wide)
+    return F.conv1d(padded.transpose(1, 2), weight.to(wide), groups=qkv.shape[-1]).transpose(1, 2).to(qkv.dtype)
+
+
+def _token_gates_reference(theta, eta, keep):
+    """The per-token rule's weights and mix for gate values (B, H, N, C) (keep = 1 - alpha), by
+    products accumulated token by token: (token weights (B, H, N, C, 2), decays (B, H, N, 2, 2))."""
+    chunk = theta.shape[-1]
+    rows = [F.pad(torch.ones_like(theta[..., :1]), (0, chunk))]  # P[0, i]: 1 at i = 0
+    for t in range(1, chunk + 1):  # P[t, i] = P[t - 1, i] eta_t for i < t, P[t, t] = 1
+        previous = rows[-1][..., :t] * eta[..., t - 1 : t]
+        rows.append(torch.cat([previous, torch.ones_like(previous[..., :1]), rows[-1][..., t + 1 :]], -1))
+    products = torch.stack(rows, -2)  # (..., C + 1, C + 1)
+    to_end = [torch.ones_like(theta[..., 0])]  # R_C = 1, R_t = (1 - alpha_{t+1}) R_{t+1}
+    for t in reversed(range(chunk)):
+        to_end.insert(0, keep[..., t] * to_end[0])
+    to_end = torch.stack(to_end, -1)  # (..., C + 1)
+    weighted = to_end[..., :, None] * products  # [t, i] = R_t P[t, i]
+    weight_weights = theta * weighted[..., 1:, 1:].sum(-2)
+    momentum_weights = theta * products[..., -1, 1:]
+    carried = weighted[..., 1:, 0].sum(-1)
+    mix = torch.stack([to_end[..., 0], carried, torch.zeros_like(carried), products[..., -1, 0]], -1)
+    return -2 * torch.stack([weight_weights, momentum_weights], -1), mix.unflatten(-1, (2, 2))
+
+
 def chunk_inputs_reference(qkv, gate_logits, bias, heads: int, chunk: int, max_lr: float, forget_offset: float,
-                           qk_norm: bool = True, value_silu: bool = False, momentum: bool = True, forget: bool = True):
-    """The module docstring's formulas in plain torch: (q, k, v (B, H, N, C, d), token weights
-    (B, H, N, C, 1), decays (B, H, N, 2)) in float32 (float64 for float64 inputs)."""
+                           qk_norm: bool = True, value_silu: bool = False, momentum: bool = True, forget: bool = True,
+                           gates: str = "chunk", conv_weight: torch.Tensor | None = None,
+                           history: torch.Tensor | None = None):
+    """The module docstring's formulas in plain torch: (q, k, v (B, H, N, C, d), token weights,
+    decays) in float32 (float64 for float64 inputs)."""
     out = torch.promote_types(qkv.dtype, torch.float32)
+    if conv_weight is not None:
+        qkv = _conv_reference(qkv, conv_weight, history)
     q, k, v = qkv.to(out).chunk(3, -1)
     if qk_norm:
         q, k = (F.normalize(F.silu(_layout(t, heads, chunk)), dim=-1) for t in (q, k))
@@ -68,21 +110,35 @@ def chunk_inputs_reference(qkv, gate_logits, bias, heads: int, chunk: int, max_l
     q, k, v = (t.to(qkv.dtype).to(out) for t in (q, k, v))
     logits = gate_logits if bias is None else (gate_logits.to(out) + bias.to(out)).to(gate_logits.dtype)
     theta, eta, alpha = logits.to(out).unflatten(-1, (3, heads)).permute(2, 0, 3, 1).unflatten(-1, (-1, chunk))
+    theta = max_lr * torch.sigmoid(theta)
     eta = torch.sigmoid(eta) if momentum else torch.zeros_like(eta)
     alpha = 1 - torch.sigmoid(-(alpha + forget_offset)) if forget else torch.zeros_like(alpha)
-    return q, k, v, (2 * max_lr * torch.sigmoid(theta))[..., None], torch.stack([eta, alpha], -1).mean(-2)
+    if gates == "token":
+        return q, k, v, *_token_gates_reference(theta, eta, 1 - alpha)
+    return q, k, v, (2 * theta)[..., None], torch.stack([eta, alpha], -1).mean(-2)
 
 
-def _shape_problem(qkv: torch.Tensor, gate_logits: torch.Tensor, heads: int, chunk: int) -> str | None:
-    """What is wrong with the shapes (None when they fit)."""
+def _shape_problem(qkv: torch.Tensor, gate_logits: torch.Tensor, heads: int, chunk: int, gates: str = "chunk",
+                   conv_weight: torch.Tensor | None = None, history: torch.Tensor | None = None) -> str | None:
+    """What is wrong with the shapes and options (None when they fit)."""
     batch, length, width = qkv.shape
     if width % (3 * heads) or tuple(gate_logits.shape) != (batch, length, 3 * heads) or length % chunk:
         return (f"qkv {tuple(qkv.shape)}, gate logits {tuple(gate_logits.shape)}, heads {heads}, chunk {chunk}: "
                 f"expected (B, T, 3 H d) and (B, T, 3 H) with T a multiple of the chunk")
+    if gates not in GATES:
+        return f"gates '{gates}' unknown: choose one of {GATES}"
+    if (conv_weight is None) != (history is None):
+        return "a conv needs both its weight and its history (or neither)"
+    if conv_weight is not None:
+        taps = conv_weight.shape[-1]
+        if tuple(conv_weight.shape) != (width, 1, taps) or tuple(history.shape) != (batch, taps - 1, width):
+            return (f"conv weight {tuple(conv_weight.shape)}, history {tuple(history.shape)}: expected "
+                    f"({width}, 1, K) and ({batch}, K - 1, {width})")
     return None
 
 
-def refusal(qkv: torch.Tensor, gate_logits: torch.Tensor, heads: int, chunk: int) -> str | None:
+def refusal(qkv: torch.Tensor, gate_logits: torch.Tensor, heads: int, chunk: int, gates: str = "chunk",
+            conv_weight: torch.Tensor | None = None, history: torch.Tensor | None = None) -> str | None:
     """Why `chunk_inputs` cannot take these inputs on the Triton kernel (None when it can)."""
     if _kernels is None:
         return "triton is not installed"
@@ -90,49 +146,58 @@ def refusal(qkv: torch.Tensor, gate_logits: torch.Tensor, heads: int, chunk: int
         return f"the inputs are on {qkv.device}: the kernel needs a CUDA device (or TRITON_INTERPRET=1)"
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16) or gate_logits.dtype != qkv.dtype:
         return f"qkv {qkv.dtype}, gate logits {gate_logits.dtype}: the kernel takes one of float32 / bfloat16 / float16"
-    if (problem := _shape_problem(qkv, gate_logits, heads, chunk)) is not None:
+    if (problem := _shape_problem(qkv, gate_logits, heads, chunk, gates, conv_weight, history)) is not None:
         return problem
     if qkv.stride(-1) != 1 or gate_logits.stride(-1) != 1:
         return "qkv and gate logits need unit feature strides"
+    if conv_weight is not None and (not conv_weight.is_contiguous() or history.stride(-1) != 1):
+        return "the conv weight must be contiguous and its history of unit feature stride"
     return None
 
 
-def _empty_outputs(qkv: torch.Tensor, heads: int, chunk: int):
+def _empty_outputs(qkv: torch.Tensor, heads: int, chunk: int, gates: str):
     batch, length, width = qkv.shape
     fp32 = dict(dtype=torch.promote_types(qkv.dtype, torch.float32), device=qkv.device)
     tiles = (batch, heads, length // chunk, chunk)
-    return (*(torch.empty(*tiles, width // (3 * heads), **fp32) for _ in range(3)), torch.empty(*tiles, 1, **fp32),
-            torch.empty(*tiles[:3], 2, **fp32))
+    weightings, decays = (2, (2, 2)) if gates == "token" else (1, (2,))
+    return (*(torch.empty(*tiles, width // (3 * heads), **fp32) for _ in range(3)),
+            torch.empty(*tiles, weightings, **fp32), torch.empty(*tiles[:3], *decays, **fp32))
 
 
 @torch.library.custom_op("memory_inputs::chunk_inputs", mutates_args=())
 def _op(qkv: torch.Tensor, gate_logits: torch.Tensor, bias: torch.Tensor | None, heads: int, chunk: int,
-        max_lr: float, forget_offset: float, qk_norm: bool, value_silu: bool, momentum: bool, forget: bool
+        max_lr: float, forget_offset: float, qk_norm: bool, value_silu: bool, momentum: bool, forget: bool,
+        gates: str, conv_weight: torch.Tensor | None, history: torch.Tensor | None,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The module docstring's outputs: one Triton launch where `refusal` allows, else the torch reference."""
-    flags = (qk_norm, value_silu, momentum, forget)
-    if refusal(qkv, gate_logits, heads, chunk) is not None:
+    flags = (qk_norm, value_silu, momentum, forget, gates, conv_weight, history)
+    if refusal(qkv, gate_logits, heads, chunk, gates, conv_weight, history) is not None:
         return tuple(t.contiguous() for t in chunk_inputs_reference(qkv, gate_logits, bias, heads, chunk, max_lr,
                                                                       forget_offset, *flags))
-    q, k, v, token_weights, decays = _empty_outputs(qkv, heads, chunk)
+    q, k, v, token_weights, decays = _empty_outputs(qkv, heads, chunk, gates)
     batch, heads, chunks, _, dim = q.shape
+    conv = conv_weight is not None
     _kernels.chunk_inputs_fwd[(batch * heads * chunks,)](
-        qkv, gate_logits, qkv if bias is None else bias, q, k, v, token_weights, decays,
-        qkv.stride(0), qkv.stride(1), gate_logits.stride(0), gate_logits.stride(1), heads, chunks, chunk, dim,
+        qkv, gate_logits, qkv if bias is None else bias, conv_weight if conv else qkv, history if conv else qkv,
+        q, k, v, token_weights, decays,
+        qkv.stride(0), qkv.stride(1), gate_logits.stride(0), gate_logits.stride(1),
+        history.stride(0) if conv else 0, history.stride(1) if conv else 0, heads, chunks, chunk, dim,
         float(max_lr), float(forget_offset), HAS_BIAS=bias is not None, QK_NORM=qk_norm, VALUE_SILU=value_silu,
-        MOMENTUM=momentum, FORGET=forget, ROUND=qkv.dtype != torch.float32,
+        MOMENTUM=momentum, FORGET=forget, ROUND=qkv.dtype != torch.float32, TOKEN=gates == "token",
+        TAPS=conv_weight.shape[-1] if conv else 0,
         BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dim))
     return q, k, v, token_weights, decays
 
 
 @_op.register_fake
-def _(qkv, gate_logits, bias, heads, chunk, max_lr, forget_offset, qk_norm, value_silu, momentum, forget):
-    return _empty_outputs(qkv, heads, chunk)
+def _(qkv, gate_logits, bias, heads, chunk, max_lr, forget_offset, qk_norm, value_silu, momentum, forget, gates,
+      conv_weight, history):
+    return _empty_outputs(qkv, heads, chunk, gates)
 
 
 def _setup_context(ctx, inputs, output):
-    qkv, gate_logits, bias, *options = inputs
-    ctx.save_for_backward(qkv, gate_logits, bias)
+    qkv, gate_logits, bias, *options, conv_weight, history = inputs
+    ctx.save_for_backward(qkv, gate_logits, bias, conv_weight, history)
     ctx.options = options
 
 
@@ -147,13 +212,70 @@ def _normalized_silu_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return (grad - radial) / n * silu_grad(x)
 
 
+def _convolved(qkv, weight, history, wide: torch.dtype):
+    """The conv as shifted products in `wide` (the backward's recomputation): ([h; qkv] (B, K-1+T, c),
+    conved (B, T, c) rounded to qkv's dtype as the layer keeps it, in `wide`)."""
+    taps, length = weight.shape[-1], qkv.shape[1]
+    padded = torch.cat([history.to(qkv.dtype), qkv], 1).to(wide)
+    w = weight[:, 0].to(wide)
+    return padded, sum(padded[:, j : j + length] * w[:, j] for j in range(taps)).to(qkv.dtype).to(wide)
+
+
+def _conv_backward(padded, weight, d_conved):
+    """Gradients of <d_conved, conv> to qkv, the weight (c, 1, K) and the history, from
+    `_convolved`'s padded input: conved_t = sum_j w_j padded_{t+j}, so
+    d padded_s = sum_j w_j d_conved_{s-j} and d w_j = sum_{b, t} padded_{t+j} d_conved_t."""
+    taps, length = weight.shape[-1], d_conved.shape[1]
+    w = weight[:, 0].to(d_conved.dtype)
+    d_padded = sum(F.pad(d_conved * w[:, j], (0, 0, j, taps - 1 - j)) for j in range(taps))
+    d_weight = torch.stack([(padded[:, j : j + length] * d_conved).sum((0, 1)) for j in range(taps)], -1)
+    return d_padded[:, taps - 1 :], d_weight[:, None].to(weight.dtype), d_padded[:, : taps - 1]
+
+
+def _token_gates_backward(theta, log_eta, log_keep, d_token_weights, d_decays, momentum: bool):
+    """Gradients of the per-token rule's weights and mix (module docstring) to theta, log eta and
+    log(1 - alpha), each (B, H, N, C), from d_token_weights (B, H, N, C, 2) and d_decays
+    (B, H, N, 2, 2). With tokens 1..C, the chunk start 0, c_w[i] = -2 theta_i g_w[i] (c_w[0] the
+    mix's carried entry's gradient), c_m likewise, Q[t, i] = c_w[i] R_t P[t, i]:
+    d log eta_j = sum_{t>=j} sum_{i<j} Q[t, i] + sum_{i<j} c_m[i] P[C, i],
+    d log(1 - alpha_j) = sum_{t<j} sum_i Q[t, i] + g_00 R_0."""
+    chunk = theta.shape[-1]
+    position = torch.arange(chunk, device=theta.device)
+    lower = position[:, None] >= position[None, :]  # [t, i]: t >= i
+    cum_keep = log_keep.cumsum(-1)
+    to_end = (cum_keep[..., -1:] - cum_keep).exp()  # R_t, tokens
+    if momentum:
+        cum_eta = log_eta.cumsum(-1)
+        products = (cum_eta[..., :, None] - cum_eta[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+        from_start = cum_eta.exp()  # P[t, 0]
+    else:
+        products = torch.eye(chunk, dtype=theta.dtype, device=theta.device).expand(*theta.shape, chunk)
+        from_start = torch.zeros_like(theta)
+    d_weight, d_momentum = d_token_weights.unbind(-1)
+    weighted = to_end[..., :, None] * products  # [t, i] = R_t P[t, i]
+    d_theta = -2 * (d_weight * weighted.sum(-2) + d_momentum * products[..., -1, :])
+    d_carried, d_end = d_decays[..., 0, 1], d_decays[..., 1, 1]
+    c_weight = -2 * theta * d_weight
+    q = c_weight[..., None, :] * weighted  # (..., t, i), tokens
+    q_start = d_carried[..., None] * to_end * from_start  # (..., t): the start column
+    before = q.cumsum(-1) - q + q_start[..., None]  # [t, j] = sum_{i<j} Q[t, i], the start included
+    c_momentum = -2 * theta * d_momentum * products[..., -1, :]
+    d_log_eta = (before * lower).sum(-2) + c_momentum.cumsum(-1) - c_momentum \
+        + (d_end * from_start[..., -1])[..., None]
+    row_sums = q.sum(-1) + q_start
+    d_log_keep = row_sums.cumsum(-1) - row_sums + (d_decays[..., 0, 0] * cum_keep[..., -1].exp())[..., None]
+    return d_theta, d_log_eta if momentum else torch.zeros_like(d_log_eta), d_log_keep
+
+
 def _backward(ctx, dq, dk, dv, d_token_weights, d_decays):
-    """Gradients to qkv, the gate logits and their bias (module docstring's formulas
-    differentiated; an unused output's gradient arrives as None and counts as zero)."""
-    qkv, gate_logits, bias = ctx.saved_tensors
-    heads, chunk, max_lr, forget_offset, qk_norm, value_silu, momentum, forget = ctx.options
+    """Gradients to qkv, the gate logits, their bias, the conv weight and its history (module
+    docstring's formulas differentiated; an unused output's gradient arrives as None and counts
+    as zero)."""
+    qkv, gate_logits, bias, conv_weight, history = ctx.saved_tensors
+    heads, chunk, max_lr, forget_offset, qk_norm, value_silu, momentum, forget, gates = ctx.options
     out = torch.promote_types(qkv.dtype, torch.float32)
-    x = qkv.to(out).unflatten(-1, (3, heads, -1))  # (B, T, 3, H, d)
+    padded, conved = (None, qkv) if conv_weight is None else _convolved(qkv, conv_weight, history, out)
+    x = conved.to(out).unflatten(-1, (3, heads, -1))  # (B, T, 3, H, d)
     zeros = x.new_zeros(x.shape[:2] + x.shape[3:])
 
     def head_grad(grad, part, norm, silu):
@@ -166,19 +288,33 @@ def _backward(ctx, dq, dk, dv, d_token_weights, d_decays):
 
     d_qkv = torch.stack([head_grad(dq, 0, qk_norm, qk_norm), head_grad(dk, 1, qk_norm, qk_norm),
                          head_grad(dv, 2, False, value_silu)], 2).flatten(2)
+    d_conv_weight = d_history = None
+    if conv_weight is not None:
+        d_qkv, d_conv_weight, d_history = _conv_backward(padded, conv_weight, d_qkv)
+        d_history = d_history.to(history.dtype)
     logits = gate_logits.to(out) if bias is None else gate_logits.to(out) + bias.to(out)
     theta, eta, alpha = logits.unflatten(-1, (3, heads)).unbind(2)  # (B, T, H) each
-    length = theta.shape[1]
-    d_theta = (torch.zeros_like(theta) if d_token_weights is None else
-               _unlayout(d_token_weights.to(out))[..., 0] * 2 * max_lr * _sigmoid_grad(theta))
+    batch, length = theta.shape[:2]
+    if d_token_weights is None:
+        d_token_weights = theta.new_zeros(batch, heads, length // chunk, chunk, 2 if gates == "token" else 1)
     if d_decays is None:
-        d_decays = theta.new_zeros(theta.shape[0], heads, length // chunk, 2)
-    per_token = _unlayout(d_decays.to(out)[:, :, :, None].expand(-1, -1, -1, chunk, -1)) / chunk  # (B, T, H, 2)
-    d_eta = per_token[..., 0] * _sigmoid_grad(eta) if momentum else torch.zeros_like(eta)
-    d_alpha = per_token[..., 1] * _sigmoid_grad(alpha + forget_offset) if forget else torch.zeros_like(alpha)
-    d_logits = torch.cat([d_theta, d_eta, d_alpha], -1)
+        d_decays = theta.new_zeros(batch, heads, length // chunk, *((2, 2) if gates == "token" else (2,)))
+    d_token_weights, d_decays = d_token_weights.to(out), d_decays.to(out)
+    if gates == "token":
+        log_keep = F.logsigmoid(-(alpha + forget_offset)) if forget else torch.zeros_like(alpha)
+        gate_values = (max_lr * torch.sigmoid(theta), F.logsigmoid(eta), log_keep)
+        d_theta, d_log_eta, d_log_keep = (_unlayout(g) for g in _token_gates_backward(
+            *(_layout(g, heads, chunk)[..., 0] for g in gate_values), d_token_weights, d_decays, momentum))
+        d_eta = d_log_eta * torch.sigmoid(-eta) if momentum else torch.zeros_like(eta)
+        d_alpha = -d_log_keep * torch.sigmoid(alpha + forget_offset) if forget else torch.zeros_like(alpha)
+    else:
+        d_theta = _unlayout(d_token_weights)[..., 0] * 2
+        per_token = _unlayout(d_decays[:, :, :, None].expand(-1, -1, -1, chunk, -1)) / chunk  # (B, T, H, 2)
+        d_eta = per_token[..., 0] * _sigmoid_grad(eta) if momentum else torch.zeros_like(eta)
+        d_alpha = per_token[..., 1] * _sigmoid_grad(alpha + forget_offset) if forget else torch.zeros_like(alpha)
+    d_logits = torch.cat([d_theta * max_lr * _sigmoid_grad(theta), d_eta, d_alpha], -1)
     d_bias = None if bias is None else d_logits.sum((0, 1)).to(bias.dtype)
-    return (d_qkv.to(qkv.dtype), d_logits.to(gate_logits.dtype), d_bias) + (None,) * 8
+    return (d_qkv.to(qkv.dtype), d_logits.to(gate_logits.dtype), d_bias) + (None,) * 9 + (d_conv_weight, d_history)
 
 
 def _sigmoid_grad(x: torch.Tensor) -> torch.Tensor:
@@ -190,11 +326,14 @@ torch.library.register_autograd("memory_inputs::chunk_inputs", _backward, setup_
 
 
 def chunk_inputs(qkv, gate_logits, bias, heads: int, chunk: int, max_lr: float, forget_offset: float,
-                 qk_norm: bool = True, value_silu: bool = False, momentum: bool = True, forget: bool = True):
+                 qk_norm: bool = True, value_silu: bool = False, momentum: bool = True, forget: bool = True,
+                 gates: str = "chunk", conv_weight: torch.Tensor | None = None, history: torch.Tensor | None = None):
     """The module docstring's (q, k, v, token weights, decays) through the custom op (one launch
     where `refusal` allows; the torch reference elsewhere). qkv (B, T, 3 H d), gate_logits
-    (B, T, 3 H) without `bias` (3 H, or None); ValueError naming the shapes where they do not fit."""
-    if (problem := _shape_problem(qkv, gate_logits, heads, chunk)) is not None:
+    (B, T, 3 H) without `bias` (3 H, or None), `gates` "chunk" or "token", the conv's weight
+    (3 H d, 1, K) and history (B, K - 1, 3 H d) or None; ValueError naming the shapes where they
+    do not fit."""
+    if (problem := _shape_problem(qkv, gate_logits, heads, chunk, gates, conv_weight, history)) is not None:
         raise ValueError(f"chunk_inputs: {problem}")
     return _op(qkv, gate_logits, bias, heads, chunk, float(max_lr), float(forget_offset), qk_norm, value_silu,
-               momentum, forget)
+               momentum, forget, gates, conv_weight, history)

@@ -1,7 +1,8 @@
 """Triton kernel of the memory's chunk inputs (kernels/memory_inputs.py states the maths and
 holds the torch reference): one program per (batch, head, chunk) reads the chunk's rows of the
-q/k/v projection and of the gate logits and writes the whole-sequence kernels' inputs, so the
-preparation between the memory's projection and its kernel is one launch.
+q/k/v projection (and, with a conv, the K - 1 rows before them: of the projection, or of the
+conv's history at the call's start) and of the gate logits, and writes the whole-sequence
+kernels' inputs, so the preparation between the memory's projection and its kernel is one launch.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ import triton.language as tl
 
 
 @triton.jit
-def chunk_inputs_fwd(QKV, LOGITS, BIAS, Q, K, V, TW, DECAYS,
-                     qkv_stride_b, qkv_stride_t, logit_stride_b, logit_stride_t,
+def chunk_inputs_fwd(QKV, LOGITS, BIAS, CONV_W, HISTORY, Q, K, V, TW, DECAYS,
+                     qkv_stride_b, qkv_stride_t, logit_stride_b, logit_stride_t, history_stride_b, history_stride_t,
                      H, N, C, D, max_lr, forget_offset,
                      HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, VALUE_SILU: tl.constexpr,
-                     MOMENTUM: tl.constexpr, FORGET: tl.constexpr, ROUND: tl.constexpr,
-                     BC: tl.constexpr, BD: tl.constexpr):
+                     MOMENTUM: tl.constexpr, FORGET: tl.constexpr, ROUND: tl.constexpr, TOKEN: tl.constexpr,
+                     TAPS: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Program (b, h, n): rows t = n C + (0..C-1). QKV (B, T, 3 H D) with unit feature stride,
-    LOGITS (B, T, 3 H) likewise, BIAS (3 H) when HAS_BIAS; outputs contiguous fp32: Q, K, V
-    (B, H, N, C, D), TW (B, H, N, C), DECAYS (B, H, N, 2). ROUND rounds each value the layer
-    keeps in the activation dtype (q, k, v and the biased logits) to QKV's dtype first."""
+    LOGITS (B, T, 3 H) likewise, BIAS (3 H) when HAS_BIAS, with TAPS > 0 the conv's CONV_W
+    (3 H D, 1, TAPS) contiguous and HISTORY (B, TAPS - 1, 3 H D) of unit feature stride; outputs
+    contiguous fp32: Q, K, V (B, H, N, C, D), TW (B, H, N, C, 1 or 2 with TOKEN), DECAYS
+    (B, H, N, 2, or 2 x 2 with TOKEN). ROUND rounds each value the layer keeps in the activation
+    dtype (the conv's output, q, k, v and the biased logits) to QKV's dtype first."""
     pid = tl.program_id(0)
     n = pid % N
     bh = pid // N
@@ -31,37 +34,114 @@ def chunk_inputs_fwd(QKV, LOGITS, BIAS, Q, K, V, TW, DECAYS,
     row_ok = rows < C
     tile_ok = row_ok[:, None] & (cols[None, :] < D)
     t = n * C + rows
-    source = QKV + b * qkv_stride_b + t[:, None] * qkv_stride_t + h * D + cols[None, :]
     target = ((bh * N + n) * C + rows[:, None]) * D + cols[None, :]
     act = QKV.dtype.element_ty
-    _heads_tile(source, Q + target, tile_ok, act, QK_NORM, QK_NORM, ROUND)
-    _heads_tile(source + H * D, K + target, tile_ok, act, QK_NORM, QK_NORM, ROUND)
-    _heads_tile(source + 2 * H * D, V + target, tile_ok, act, VALUE_SILU, False, ROUND)
+    col_ok = cols < D
+    channels = h * D + cols
+    for part in tl.static_range(3):  # q, k, v
+        x = _conved_tile(QKV, HISTORY, CONV_W, b, t, part * H * D + channels, row_ok, col_ok, qkv_stride_b,
+                         qkv_stride_t, history_stride_b, history_stride_t, act, TAPS, ROUND, BC, BD)
+        if part == 0:
+            tl.store(Q + target, _head_values(x, act, QK_NORM, QK_NORM, ROUND), mask=tile_ok)
+        elif part == 1:
+            tl.store(K + target, _head_values(x, act, QK_NORM, QK_NORM, ROUND), mask=tile_ok)
+        else:
+            tl.store(V + target, _head_values(x, act, VALUE_SILU, False, ROUND), mask=tile_ok)
 
     logit_rows = LOGITS + b * logit_stride_b + t * logit_stride_t + h
-    theta = _gate_logit(logit_rows, BIAS, 0 * H, h, row_ok, act, HAS_BIAS, ROUND)
+    theta = max_lr * tl.sigmoid(_gate_logit(logit_rows, BIAS, 0 * H, h, row_ok, act, HAS_BIAS, ROUND))
     eta = _gate_logit(logit_rows, BIAS, 1 * H, h, row_ok, act, HAS_BIAS, ROUND)
     alpha = _gate_logit(logit_rows, BIAS, 2 * H, h, row_ok, act, HAS_BIAS, ROUND)
-    tl.store(TW + (bh * N + n) * C + rows, 2.0 * max_lr * tl.sigmoid(theta), mask=row_ok)
-    eta = tl.sigmoid(eta) if MOMENTUM else tl.zeros_like(eta)
-    alpha = 1.0 - tl.sigmoid(-(alpha + forget_offset)) if FORGET else tl.zeros_like(alpha)
-    decays = DECAYS + (bh * N + n) * 2
-    tl.store(decays, tl.sum(tl.where(row_ok, eta, 0.0), axis=0) / C)
-    tl.store(decays + 1, tl.sum(tl.where(row_ok, alpha, 0.0), axis=0) / C)
+    chunk_row = (bh * N + n) * C + rows
+    if TOKEN:
+        _token_gates(theta, eta, alpha + forget_offset, rows, row_ok, C, TW + (bh * N + n) * C * 2,
+                     DECAYS + (bh * N + n) * 4, MOMENTUM, FORGET)
+    else:
+        tl.store(TW + chunk_row, 2.0 * theta, mask=row_ok)
+        eta = tl.sigmoid(eta) if MOMENTUM else tl.zeros_like(eta)
+        alpha = 1.0 - tl.sigmoid(-(alpha + forget_offset)) if FORGET else tl.zeros_like(alpha)
+        decays = DECAYS + (bh * N + n) * 2
+        tl.store(decays, tl.sum(tl.where(row_ok, eta, 0.0), axis=0) / C)
+        tl.store(decays + 1, tl.sum(tl.where(row_ok, alpha, 0.0), axis=0) / C)
 
 
 @triton.jit
-def _heads_tile(source, target, tile_ok, act: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr):
+def _conved_tile(QKV, HISTORY, CONV_W, b, t, channels, row_ok, col_ok, qkv_stride_b, qkv_stride_t, history_stride_b,
+                 history_stride_t, act: tl.constexpr, TAPS: tl.constexpr, ROUND: tl.constexpr, BC: tl.constexpr,
+                 BD: tl.constexpr):
+    """The (C, D) tile of `channels` at rows t, fp32: as projected without a conv (TAPS 0), else
+    the causal conv sum_j w_j [history; qkv]_{t - (TAPS - 1) + j}, rounded to `act` when ROUND."""
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    if TAPS == 0:
+        x = tl.load(QKV + qkv_stride_b * b + t[:, None] * qkv_stride_t + channels[None, :], mask=tile_ok,
+                    other=0.0).to(tl.float32)
+    else:
+        x = tl.zeros((BC, BD), dtype=tl.float32)
+        for j in tl.static_range(TAPS):
+            source = t - (TAPS - 1) + j
+            in_call = (source >= 0)[:, None]
+            projected = tl.load(QKV + qkv_stride_b * b + source[:, None] * qkv_stride_t + channels[None, :],
+                                mask=tile_ok & in_call, other=0.0).to(tl.float32)
+            before = tl.load(HISTORY + history_stride_b * b + (source + TAPS - 1)[:, None] * history_stride_t
+                             + channels[None, :], mask=tile_ok & ~in_call, other=0.0)
+            before = before.to(act).to(tl.float32) if ROUND else before.to(tl.float32)
+            weight = tl.load(CONV_W + channels * TAPS + j, mask=col_ok, other=0.0).to(tl.float32)
+            x += (projected + before) * weight[None, :]
+        if ROUND:
+            x = x.to(act).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _head_values(x, act: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr):
     """One (C, D) tile of q, k or v: SiLU when SILU, then the rows' L2 norm when NORM (q and k
-    take both from QK_NORM, v its SiLU alone), rounded to `act` when ROUND; stored fp32."""
-    x = tl.load(source, mask=tile_ok, other=0.0).to(tl.float32)
+    take both from QK_NORM, v its SiLU alone), rounded to `act` when ROUND; fp32."""
     if SILU:
         x = x * tl.sigmoid(x)
     if NORM:
         x = x / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)[:, None]
     if ROUND:
         x = x.to(act).to(tl.float32)
-    tl.store(target, x, mask=tile_ok)
+    return x
+
+
+@triton.jit
+def _log_sigmoid(x):
+    return tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _token_gates(theta, eta_logit, forget_logit, rows, row_ok, C, TW, DECAYS, MOMENTUM: tl.constexpr,
+                 FORGET: tl.constexpr):
+    """The per-token rule's weights and mix of one chunk (kernels/memory_inputs.py): theta (BC,),
+    the eta logits and the forget logits (offset included) over the chunk's rows; stores TW
+    (C, 2) and DECAYS (2, 2). Products of gates from differences of log-space cumulative sums:
+    P[t, i] = exp(E_t - E_i) with E the cumulative log eta, R_t = exp(F_C - F_t) likewise."""
+    log_keep = tl.where(row_ok, _log_sigmoid(-forget_logit), 0.0) if FORGET else tl.zeros_like(theta)
+    cum_keep = tl.cumsum(log_keep, 0)
+    total_keep = tl.sum(log_keep, 0)
+    to_end = tl.exp(total_keep - cum_keep)  # R_t, t = 1..C
+    if MOMENTUM:
+        log_eta = tl.where(row_ok, _log_sigmoid(eta_logit), 0.0)
+        cum_eta = tl.cumsum(log_eta, 0)
+        total_eta = tl.sum(log_eta, 0)
+        lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]  # [t, i]: t >= i
+        products = tl.where(lower, tl.exp(tl.where(lower, cum_eta[:, None] - cum_eta[None, :], 0.0)), 0.0)
+        to_token = tl.sum(to_end[:, None] * products, axis=0)  # sum_{t>=i} R_t P[t, i]
+        to_chunk_end = tl.exp(total_eta - cum_eta)  # P[C, i]
+        carried = tl.sum(tl.where(row_ok, to_end * tl.exp(cum_eta), 0.0), axis=0)
+        momentum_end = tl.exp(total_eta)
+    else:  # eta = 0: P is the identity
+        to_token = to_end
+        to_chunk_end = tl.where(rows == C - 1, 1.0, 0.0)
+        carried = tl.zeros_like(total_keep)
+        momentum_end = tl.zeros_like(total_keep)
+    tl.store(TW + rows * 2, -2.0 * theta * to_token, mask=row_ok)
+    tl.store(TW + rows * 2 + 1, -2.0 * theta * to_chunk_end, mask=row_ok)
+    tl.store(DECAYS, tl.exp(total_keep))
+    tl.store(DECAYS + 1, carried)
+    tl.store(DECAYS + 2, tl.zeros_like(total_keep))
+    tl.store(DECAYS + 3, momentum_end)
 
 
 @triton.jit

@@ -81,10 +81,10 @@ def test_the_training_step_compiles_as_one_graph_on_the_whole_sequence_path(name
     kernels = {"memory_kernels.whole_sequence_fwd.default", "memory_kernels.whole_sequence_bwd.default"}
     assert (kernels <= ops["forward"] | ops["backward"]) == (memories > 0)
     assert "memory_kernels.whole_sequence_bwd.default" not in ops["forward"]
-    # a memory of the chunk rule without conv (Mela's, MemoryLlama's) prepares its kernel inputs in one op
-    # (kernels/memory_inputs.py); Titans' (the per-token rule, a conv) cannot
-    prepared = any(m.cfg.gates == "chunk" and not m.cfg.conv_kernel for m in model.modules() if isinstance(m, NeuralMemory))
-    assert prepared == (name in ("mela", "memoryllama"))
-    assert ("memory_inputs.chunk_inputs.default" in ops["forward"]) == prepared
+    # every memory prepares its kernel inputs in one op (kernels/memory_inputs.py): Mela's and MemoryLlama's
+    # chunk rule without conv, and Titans' per-token rule after its conv
+    rules = {(m.cfg.gates, bool(m.cfg.conv_kernel)) for m in model.modules() if isinstance(m, NeuralMemory)}
+    assert rules == ({("token", True)} if name.startswith("titans") else {("chunk", False)} if memories else set())
+    assert ("memory_inputs.chunk_inputs.default" in ops["forward"]) == (memories > 0)
     assert refusals == []  # a graph AOTAutograd's cache stores (a launch loads it instead of tracing it again)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -1,7 +1,9 @@
 """The memory's chunk inputs in one launch (kernels/memory_inputs.py): the Triton kernel (under
 TRITON_INTERPRET=1, set by conftest.py) against the torch reference, the op's hand-written
 backward against autograd through the reference in float64, and the layer through it against
-the layer's own preparation (`NeuralMemory.write`) on the whole-sequence path."""
+the layer's own preparation (`NeuralMemory.write`) on the whole-sequence path: Mela's memory
+(the chunk rule, no conv) and Titans' (the per-token rule after a conv, its history carried
+from call to call)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import models.memory.neural_memory as neural_memory
 from kernels.memory_inputs import chunk_inputs, chunk_inputs_reference
 from models.layers.diagnostics import recording
 from models.lms.mela import mela_memory
-from models.memory.neural_memory import FORGET_LOGIT_OFFSET, NeuralMemory
+from models.memory.neural_memory import FORGET_LOGIT_OFFSET, NeuralMemory, NeuralMemoryConfig
 
 # (qk_norm, value_silu, momentum, forget): Mela's, then every switch flipped at least once
 FLAGS = [(True, False, True, True), (False, True, False, True), (True, True, True, False)]
@@ -28,13 +30,29 @@ def draw(batch, length, heads, dim, dtype=torch.float64, seed=0):
     return qkv.to(dtype), logits.to(dtype), bias.to(dtype)
 
 
+def draw_conv(batch, heads, dim, taps=4, dtype=torch.float64, seed=1):
+    """A depthwise conv's weight (3 H d, 1, taps) and a history (B, taps - 1, 3 H d)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(3 * heads * dim, 1, taps, generator=g, dtype=torch.float64) / taps
+    history = torch.randn(batch, taps - 1, 3 * heads * dim, generator=g, dtype=torch.float64)
+    return weight.to(dtype), history.to(dtype)
+
+
+# (gates, conv): Mela's, Titans', and each alone
+RULES = [("chunk", False), ("token", True), ("token", False), ("chunk", True)]
+
+
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("flags", FLAGS)
-@pytest.mark.parametrize("heads,dim,chunk", [(2, 64, 16), (3, 24, 6)])  # Mela 400m's head_dim; tiles padded
-def test_the_kernel_equals_the_reference(flags, heads, dim, chunk):
+@pytest.mark.parametrize("heads,dim,chunk", [(2, 64, 16), (3, 24, 6), (1, 8, 2)])  # Mela 400m's head_dim; tiles
+def test_the_kernel_equals_the_reference(rule, flags, heads, dim, chunk):  # padded; a chunk shorter than the conv
+    gates, conv = rule
     qkv, logits, bias = draw(2, 4 * chunk, heads, dim, torch.float32)
-    ours = chunk_inputs(qkv, logits, bias, heads, chunk, 0.01, FORGET_LOGIT_OFFSET, *flags)
+    weight, history = draw_conv(2, heads, dim, dtype=torch.float32) if conv else (None, None)
+    ours = chunk_inputs(qkv, logits, bias, heads, chunk, 0.01, FORGET_LOGIT_OFFSET, *flags, gates, weight, history)
     reference = chunk_inputs_reference(qkv.double(), logits.double(), bias.double(), heads, chunk, 0.01,
-                                       FORGET_LOGIT_OFFSET, *flags)
+                                       FORGET_LOGIT_OFFSET, *flags, gates,
+                                       *((weight.double(), history.double()) if conv else (None, None)))
     for name, a, b in zip(("q", "k", "v", "token weights", "decays"), ours, reference):
         assert a.dtype == torch.float32 and a.shape == b.shape, name
         assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-7), (name, (a.double() - b).abs().max().item())
@@ -51,20 +69,23 @@ def test_bf16_inputs_come_out_rounded_as_the_layer_keeps_them():
         assert torch.allclose(ours, theirs, rtol=2e-2, atol=0)
 
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("flags", FLAGS)
-def test_the_backward_equals_autograd_through_the_reference_in_float64(flags):
-    leaves = [t.requires_grad_() for t in draw(2, 12, 2, 5)]
-    ours = chunk_inputs(*leaves, 2, 4, 0.01, FORGET_LOGIT_OFFSET, *flags)  # float64: the op runs the reference
-    reference = chunk_inputs_reference(*leaves, 2, 4, 0.01, FORGET_LOGIT_OFFSET, *flags)
+def test_the_backward_equals_autograd_through_the_reference_in_float64(rule, flags):
+    gates, conv = rule
+    leaves = [t.requires_grad_() for t in draw(2, 12, 2, 5) + (draw_conv(2, 2, 5) if conv else ())]
+    options = (*flags, gates, *(leaves[3:] if conv else (None, None)))
+    ours = chunk_inputs(*leaves[:3], 2, 4, 0.01, FORGET_LOGIT_OFFSET, *options)  # float64: the op runs the reference
+    reference = chunk_inputs_reference(*leaves[:3], 2, 4, 0.01, FORGET_LOGIT_OFFSET, *options)
     g = torch.Generator().manual_seed(1)
     probes = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in reference]
     grads = torch.autograd.grad(sum((t * p).sum() for t, p in zip(ours, probes)), leaves)
     expected = torch.autograd.grad(sum((t * p).sum() for t, p in zip(reference, probes)), leaves, retain_graph=True)
-    for name, a, b in zip(("qkv", "gate logits", "bias"), grads, expected):
+    for name, a, b in zip(("qkv", "gate logits", "bias", "conv weight", "history"), grads, expected):
         assert b.abs().max() > 0, name
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (name, (a - b).abs().max().item())
     # outputs left unused arrive in the backward as None: they count as zero
-    q = chunk_inputs(*leaves, 2, 4, 0.01, FORGET_LOGIT_OFFSET, *flags)[0]
+    q = chunk_inputs(*leaves[:3], 2, 4, 0.01, FORGET_LOGIT_OFFSET, *options)[0]
     only_q = torch.autograd.grad((q * probes[0]).sum(), leaves)
     expected_q = torch.autograd.grad((reference[0] * probes[0]).sum(), leaves, allow_unused=True, materialize_grads=True)
     for a, b in zip(only_q, expected_q):
@@ -77,6 +98,14 @@ def test_mismatched_shapes_name_the_problem():
         chunk_inputs(qkv, logits, bias, 2, 4, 0.01, FORGET_LOGIT_OFFSET)
     with pytest.raises(ValueError, match=r"\(B, T, 3 H\)"):
         chunk_inputs(qkv, logits[..., :5], bias, 2, 5, 0.01, FORGET_LOGIT_OFFSET)
+    qkv, logits, bias = draw(1, 8, 2, 4, torch.float32)
+    weight, history = draw_conv(1, 2, 4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="both its weight and its history"):
+        chunk_inputs(qkv, logits, bias, 2, 4, 0.01, FORGET_LOGIT_OFFSET, conv_weight=weight)
+    with pytest.raises(ValueError, match=r"expected \(24, 1, K\)"):
+        chunk_inputs(qkv, logits, bias, 2, 4, 0.01, FORGET_LOGIT_OFFSET, conv_weight=weight[:, :, :3], history=history)
+    with pytest.raises(ValueError, match="gates 'scan' unknown"):
+        chunk_inputs(qkv, logits, bias, 2, 4, 0.01, FORGET_LOGIT_OFFSET, gates="scan")
 
 
 def mela_layer(whole_sequence=True, read_after_write=True):
@@ -146,3 +175,45 @@ def test_a_refused_call_projects_once_and_equals_the_unprepared_layer():
     for a, b in zip((y, *weights, *grads), (y_ref, *weights_ref, *grads_ref)):
         assert b.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def titans_layer():
+    """Titans' memory (the per-token rule, a conv of 4, the surprise bound) on the whole-sequence
+    path at a width the interpreter runs in seconds (head_dim 8, hidden 16, chunk 4)."""
+    cfg = NeuralMemoryConfig(dim=16, n_heads=2, head_dim=8, expansion=2, chunk_size=4, whole_sequence=True)
+    torch.manual_seed(0)
+    layer = NeuralMemory(cfg)
+    with torch.no_grad():
+        layer.to_gates.bias.normal_()
+    return layer
+
+
+def run_calls(layer, parts, prepared: bool):
+    """`parts` (each (1, T_i, 16)) written in consecutive calls, the state carried: the outputs, the final
+    weights and conv history, the gradients to the inputs and the parameters, and how often the op ran."""
+    calls = mock.Mock(wraps=neural_memory.chunk_inputs)
+    with mock.patch.object(neural_memory, "chunk_inputs", calls), \
+            mock.patch.object(NeuralMemory, "_prepares_inputs", NeuralMemory._prepares_inputs if prepared
+                              else lambda *a: False):
+        state, ys = None, []
+        for x in parts:
+            y, state = layer(x, state)
+            ys.append(y)
+    y = torch.cat(ys, 1)
+    grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.shape[-1])).sum(), [*parts, *layer.parameters()])
+    return y, (*state.weights, state.conv), grads, calls.call_count
+
+
+def test_titans_memory_through_the_op_equals_its_own_preparation_across_calls():
+    """The conv's history enters the next call's first chunk: two calls through the op give the
+    outputs, fast weights, history and gradients of the layer's own `write`."""
+    layer = titans_layer()
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(1, 8, 16, generator=g, requires_grad=True), torch.randn(1, 4, 16, generator=g,
+                                                                              requires_grad=True)]
+    y, state, grads, calls = run_calls(layer, parts, prepared=True)
+    y_ref, state_ref, grads_ref, calls_ref = run_calls(layer, parts, prepared=False)
+    assert (calls, calls_ref) == (2, 0)
+    for a, b in zip((y, *state, *grads), (y_ref, *state_ref, *grads_ref)):
+        assert b.abs().max() > 0
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), ((a - b).abs().max() / b.abs().max()).item()

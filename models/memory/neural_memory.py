@@ -88,11 +88,12 @@ Choices where the papers are silent (tested):
   (`max_update_norm`) is applied inside the kernels, as the chunk loop applies it. Depth 2,
   float32 state, a CUDA device (TRITON_INTERPRET=1 on CPU); anything else runs the chunk loop after a warning naming why. Off by default until
   a GPU measures it faster.
-  With the chunk rule and no conv (Mela's and MemoryLlama's memories), a call of whole chunks with
-  nothing pending and no diagnostics recorded prepares the kernels' inputs (q/k SiLU and L2 norm,
-  v, theta, the chunk means of eta and alpha, the layout) in one launch
-  (`kernels.memory_inputs.chunk_inputs`, from the projections before the gates' bias), where
-  Inductor makes about eleven kernels of `write`'s ops; the same values (tests/test_memory_inputs.py).
+  A call of whole chunks with nothing pending and no diagnostics recorded prepares the kernels'
+  inputs (the conv, q/k SiLU and L2 norm, v, theta and the gates' chunk weights and mix for either
+  rule, the layout) in one launch (`kernels.memory_inputs.chunk_inputs`, from the projections;
+  Mela's and MemoryLlama's before the gates' bias, Titans MAC's with it), where Inductor makes
+  eleven (the chunk rule, no conv) to seventeen (Titans' conv and per-token rule) kernels of
+  `write`'s ops; the same values (tests/test_memory_inputs.py).
 - `checkpoint_chunks = G > 0` recomputes each group of G chunks in backward (only the state
   at group boundaries is kept): fewer bytes saved per token for about one more forward.
 - `max_update_norm = b` bounds the surprise; None (the default) means b = SURPRISE_BOUND = 20 for
@@ -157,7 +158,7 @@ from torch import nn
 from kernels.memory_inputs import chunk_inputs
 from kernels.memory_inputs import refusal as memory_inputs_refusal
 from models.layers.diagnostics import recording_on
-from models.layers.tracing import compiling, project_together, with_bias
+from models.layers.tracing import compiling, project_together
 from models.memory.chunk_loop import MemoryState, UpdateRule, chunked_memory, stacked_state, whole_chunks_memory
 from models.memory.chunk_write import mlp_forward
 
@@ -402,10 +403,20 @@ class NeuralMemory(nn.Module):
         log_keep = F.logsigmoid(-(alpha_logit + FORGET_LOGIT_OFFSET)) if cfg.forget else torch.zeros_like(alpha_logit)
         return theta, log_eta, log_keep
 
-    def write(self, qkv: torch.Tensor, gate_logits: torch.Tensor, state: MemoryState):
+    def write(self, qkv: torch.Tensor, gate_logits: torch.Tensor, state: MemoryState,
+              gate_bias: torch.Tensor | None = None):
         """Write a stream and read it (the chunk rule of `chunked_memory`) from its projections:
-        qkv (B, T, 3 H d) (`to_qkv`) and gate_logits (B, T, 3 H) (`to_gates`). Returns the reads
-        y (B, H, T, d) in the state dtype, before `_output`, and the new state."""
+        qkv (B, T, 3 H d) (`to_qkv`) and gate_logits (B, T, 3 H) (`to_gates`; without its bias when
+        `gate_bias` is given, which is then added here or by the prepared path). Returns the reads
+        y (B, H, T, d) in the state dtype, before `_output`, and the new state. Where
+        `_prepares_inputs` allows, the inputs between the projections and the whole-sequence
+        kernels are prepared in one launch (`_prepared_write`)."""
+        if self._prepares_inputs(qkv.shape[1], state):
+            written = self._prepared_write(qkv, gate_logits, state, gate_bias)
+            if written is not None:
+                return written
+        if gate_bias is not None:
+            gate_logits = (gate_logits + gate_bias).to(gate_logits.dtype)
         cfg = self.cfg
         qkv, conv = self._convolve(qkv, state.conv, slice(None))
         qk, v = qkv.split([2 * cfg.n_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim], -1)
@@ -432,45 +443,52 @@ class NeuralMemory(nn.Module):
 
     def forward(self, x: torch.Tensor, state: MemoryState | None = None):
         """x (B, T, dim) written and read from `state` (None: fresh) -> (y (B, T, dim), new state).
-        Traced by torch.compile, the two input projections run as one matmul (`project_together`).
-        Where `_prepared_write` can take the call, the inputs between the projections and the
-        whole-sequence kernels are prepared in one launch."""
+        Traced by torch.compile, the two input projections run as one matmul (`project_together`);
+        where the inputs are prepared in one launch (`_prepares_inputs`), the gates' bias is left to it."""
         if state is None:
             state = self.empty_state(x.shape[0], device=x.device, dtype=x.dtype)
         (linears,) = self.projection_groups()
-        prepares = self._prepares_inputs(x, state)
+        prepares = self._prepares_inputs(x.shape[1], state)
         qkv, gate_logits = project_together(x, linears, biases=not prepares)
-        written = self._prepared_write(qkv, gate_logits, state) if prepares else None
-        if written is None and prepares:  # refused: the biases the prepared path would have added
-            qkv, gate_logits = (with_bias(part, linear) for part, linear in zip((qkv, gate_logits), linears))
-        y, state = written or self.write(qkv, gate_logits, state)
+        y, state = self.write(qkv, gate_logits, state, self.to_gates.bias if prepares else None)
         return self._output(y, x), state
 
-    def _prepares_inputs(self, x: torch.Tensor, state: MemoryState) -> bool:
-        """Whether a call may prepare its inputs with `kernels.memory_inputs` (one launch where
-        `write` takes about eleven under Inductor): the whole-sequence path with the chunk rule,
-        no conv, whole chunks and nothing pending, plain projections, and no diagnostics recorded
-        (they read the per-token gates)."""
+    def _prepares_inputs(self, length: int, state: MemoryState) -> bool:
+        """Whether a call of `length` tokens may prepare its inputs with `kernels.memory_inputs`
+        (one launch where `write` takes eleven to seventeen under Inductor): the whole-sequence
+        path, whole chunks and nothing pending, plain projections and conv, and no diagnostics
+        recorded (they read the per-token gates)."""
         cfg = self.cfg
-        return (cfg.whole_sequence and cfg.gates == "chunk" and not cfg.conv_kernel and not recording_on()
-                and x.shape[1] > 0 and x.shape[1] % cfg.chunk_size == 0 and state.pending[0].shape[2] == 0
-                and type(self.to_qkv) is nn.Linear and type(self.to_gates) is nn.Linear)
+        return (cfg.whole_sequence and not recording_on() and length > 0 and length % cfg.chunk_size == 0
+                and state.pending[0].shape[2] == 0 and type(self.to_qkv) is nn.Linear
+                and self.to_qkv.bias is None and type(self.to_gates) is nn.Linear
+                and (not cfg.conv_kernel or type(self.conv) is nn.Conv1d))
 
-    def _prepared_write(self, qkv: torch.Tensor, gate_logits: torch.Tensor, state: MemoryState):
-        """`write` for a call `_prepares_inputs` allows, from the projections without their biases
-        (qkv (B, T, 3 H d), gate_logits (B, T, 3 H)), its inputs from `kernels.memory_inputs.chunk_inputs`
-        (the same values: tests/test_memory_inputs.py). Returns (y (B, H, T, d), new state), or None
-        where the kernel or the whole-sequence kernels cannot take it (then `write` runs on the
-        same projections, their biases added)."""
+    def _prepared_write(self, qkv: torch.Tensor, gate_logits: torch.Tensor, state: MemoryState,
+                        gate_bias: torch.Tensor | None):
+        """`write` for a call `_prepares_inputs` allows, from the projections (qkv (B, T, 3 H d),
+        gate_logits (B, T, 3 H), without `gate_bias` where it is given), its inputs from
+        `kernels.memory_inputs.chunk_inputs` (the same values: tests/test_memory_inputs.py); the
+        conv's history becomes the call's last K - 1 projections, as `_convolve` leaves it. Returns
+        (y (B, H, T, d), new state), or None where the kernel or the whole-sequence kernels cannot
+        take it (then `write` runs on the same projections)."""
         cfg = self.cfg
-        if memory_inputs_refusal(qkv, gate_logits, cfg.n_heads, cfg.chunk_size) is not None:
+        conv = (self.conv.weight, state.conv) if cfg.conv_kernel else (None, None)
+        if memory_inputs_refusal(qkv, gate_logits, cfg.n_heads, cfg.chunk_size, cfg.gates, *conv) is not None:
             return None
         q, k, v, token_weights, decays = chunk_inputs(
-            qkv, gate_logits, self.to_gates.bias, cfg.n_heads, cfg.chunk_size, cfg.max_lr, FORGET_LOGIT_OFFSET,
-            cfg.qk_norm, cfg.value_silu, cfg.momentum, cfg.forget)
-        rule = self._rule()
-        written = whole_chunks_memory(state, q, k, v, token_weights, decays, rule, cfg.checkpoint_chunks)
-        return None if written is None else written[:2]
+            qkv, gate_logits, gate_bias, cfg.n_heads, cfg.chunk_size, cfg.max_lr, FORGET_LOGIT_OFFSET,
+            cfg.qk_norm, cfg.value_silu, cfg.momentum, cfg.forget, cfg.gates, *conv)
+        written = whole_chunks_memory(state, q, k, v, token_weights, decays, self._rule(), cfg.checkpoint_chunks)
+        if written is None:
+            return None
+        y, new = written[:2]
+        history = state.conv
+        if cfg.conv_kernel:
+            taps = cfg.conv_kernel - 1
+            history = qkv[:, qkv.shape[1] - taps :] if qkv.shape[1] >= taps else \
+                torch.cat([history.to(qkv.dtype), qkv], 1)[:, -taps:]
+        return y, MemoryState(*new[:3], history, new.stacked)
 
     def _note_stats(self, start_weights, state: MemoryState, gates, clipped_share: torch.Tensor | None) -> None:
         """Diagnostics of the last forward recorded (`models.layers.diagnostics.recording`; detached
