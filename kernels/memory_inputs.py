@@ -267,38 +267,25 @@ def _token_gates_backward(theta, log_eta, log_keep, d_token_weights, d_decays, m
     return d_theta, d_log_eta if momentum else torch.zeros_like(d_log_eta), d_log_keep
 
 
-def _backward(ctx, dq, dk, dv, d_token_weights, d_decays):
-    """Gradients to qkv, the gate logits, their bias, the conv weight and its history (module
-    docstring's formulas differentiated; an unused output's gradient arrives as None and counts
-    as zero)."""
-    qkv, gate_logits, bias, conv_weight, history = ctx.saved_tensors
-    heads, chunk, max_lr, forget_offset, qk_norm, value_silu, momentum, forget, gates = ctx.options
+def _grads_reference(qkv, gate_logits, bias, conv_weight, history, dq, dk, dv, d_token_weights, d_decays, heads: int,
+                     chunk: int, max_lr: float, forget_offset: float, qk_norm: bool, value_silu: bool, momentum: bool,
+                     forget: bool, gates: str):
+    """`_grads_op`'s outputs in plain torch: the module docstring's formulas differentiated up to
+    the conv (its own backward is `_conv_backward`)."""
     out = torch.promote_types(qkv.dtype, torch.float32)
-    padded, conved = (None, qkv) if conv_weight is None else _convolved(qkv, conv_weight, history, out)
+    conved = qkv if conv_weight is None else _convolved(qkv, conv_weight, history, out)[1]
     x = conved.to(out).unflatten(-1, (3, heads, -1))  # (B, T, 3, H, d)
-    zeros = x.new_zeros(x.shape[:2] + x.shape[3:])
 
     def head_grad(grad, part, norm, silu):
-        if grad is None:
-            return zeros
         grad = _unlayout(grad.to(out))
         if norm:
             return _normalized_silu_grad(x[:, :, part], grad)
         return grad * silu_grad(x[:, :, part]) if silu else grad
 
-    d_qkv = torch.stack([head_grad(dq, 0, qk_norm, qk_norm), head_grad(dk, 1, qk_norm, qk_norm),
-                         head_grad(dv, 2, False, value_silu)], 2).flatten(2)
-    d_conv_weight = d_history = None
-    if conv_weight is not None:
-        d_qkv, d_conv_weight, d_history = _conv_backward(padded, conv_weight, d_qkv)
-        d_history = d_history.to(history.dtype)
+    d_conved = torch.stack([head_grad(dq, 0, qk_norm, qk_norm), head_grad(dk, 1, qk_norm, qk_norm),
+                            head_grad(dv, 2, False, value_silu)], 2).flatten(2)
     logits = gate_logits.to(out) if bias is None else gate_logits.to(out) + bias.to(out)
     theta, eta, alpha = logits.unflatten(-1, (3, heads)).unbind(2)  # (B, T, H) each
-    batch, length = theta.shape[:2]
-    if d_token_weights is None:
-        d_token_weights = theta.new_zeros(batch, heads, length // chunk, chunk, 2 if gates == "token" else 1)
-    if d_decays is None:
-        d_decays = theta.new_zeros(batch, heads, length // chunk, *((2, 2) if gates == "token" else (2,)))
     d_token_weights, d_decays = d_token_weights.to(out), d_decays.to(out)
     if gates == "token":
         log_keep = F.logsigmoid(-(alpha + forget_offset)) if forget else torch.zeros_like(alpha)
@@ -312,7 +299,64 @@ def _backward(ctx, dq, dk, dv, d_token_weights, d_decays):
         per_token = _unlayout(d_decays[:, :, :, None].expand(-1, -1, -1, chunk, -1)) / chunk  # (B, T, H, 2)
         d_eta = per_token[..., 0] * _sigmoid_grad(eta) if momentum else torch.zeros_like(eta)
         d_alpha = per_token[..., 1] * _sigmoid_grad(alpha + forget_offset) if forget else torch.zeros_like(alpha)
-    d_logits = torch.cat([d_theta * max_lr * _sigmoid_grad(theta), d_eta, d_alpha], -1)
+    return d_conved, torch.cat([d_theta * max_lr * _sigmoid_grad(theta), d_eta, d_alpha], -1)
+
+
+@torch.library.custom_op("memory_inputs::chunk_inputs_grads", mutates_args=())
+def _grads_op(qkv: torch.Tensor, gate_logits: torch.Tensor, bias: torch.Tensor | None,
+              conv_weight: torch.Tensor | None, history: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
+              dv: torch.Tensor, d_token_weights: torch.Tensor, d_decays: torch.Tensor, heads: int, chunk: int,
+              max_lr: float, forget_offset: float, qk_norm: bool, value_silu: bool, momentum: bool, forget: bool,
+              gates: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of the op's outputs (dq ... d_decays, as the outputs) carried back to the convolved
+    projections (B, T, 3 H d) (qkv itself without a conv) and to the biased gate logits (B, T, 3 H), fp32
+    (float64 for float64 inputs): one Triton launch where `refusal` allows (`chunk_inputs_bwd`), else
+    `_grads_reference`."""
+    options = (heads, chunk, max_lr, forget_offset, qk_norm, value_silu, momentum, forget, gates)
+    if refusal(qkv, gate_logits, heads, chunk, gates, conv_weight, history) is not None:
+        return _grads_reference(qkv, gate_logits, bias, conv_weight, history, dq, dk, dv, d_token_weights, d_decays,
+                                *options)
+    d_conved, d_logits = _empty_grads(qkv, gate_logits)
+    batch, length, _ = qkv.shape
+    conv = conv_weight is not None
+    _kernels.chunk_inputs_bwd[(batch * heads * (length // chunk),)](
+        qkv, gate_logits, qkv if bias is None else bias, conv_weight if conv else qkv, history if conv else qkv,
+        *(t.float().contiguous() for t in (dq, dk, dv, d_token_weights, d_decays)), d_conved, d_logits,
+        qkv.stride(0), qkv.stride(1), gate_logits.stride(0), gate_logits.stride(1),
+        history.stride(0) if conv else 0, history.stride(1) if conv else 0, heads, length // chunk, chunk,
+        dq.shape[-1], float(max_lr), float(forget_offset), HAS_BIAS=bias is not None, QK_NORM=qk_norm,
+        VALUE_SILU=value_silu, MOMENTUM=momentum, FORGET=forget, ROUND=qkv.dtype != torch.float32,
+        TOKEN=gates == "token", TAPS=conv_weight.shape[-1] if conv else 0,
+        BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dq.shape[-1]))
+    return d_conved, d_logits
+
+
+def _empty_grads(qkv: torch.Tensor, gate_logits: torch.Tensor):
+    wide = dict(dtype=torch.promote_types(qkv.dtype, torch.float32), device=qkv.device)
+    return torch.empty(qkv.shape, **wide), torch.empty(gate_logits.shape, **wide)
+
+
+@_grads_op.register_fake
+def _(qkv, gate_logits, bias, conv_weight, history, dq, dk, dv, d_token_weights, d_decays, *options):
+    return _empty_grads(qkv, gate_logits)
+
+
+def _backward(ctx, dq, dk, dv, d_token_weights, d_decays):
+    """Gradients to qkv, the gate logits, their bias, the conv weight and its history: `_grads_op`
+    (one launch on a GPU), then the conv's backward (`_conv_backward`: it reads the next chunk's rows)
+    and the bias's sum in torch ops. An unused output's gradient arrives as None and counts as zero."""
+    qkv, gate_logits, bias, conv_weight, history = ctx.saved_tensors
+    heads, chunk, max_lr, forget_offset, qk_norm, value_silu, momentum, forget, gates = ctx.options
+    grads = (dq, dk, dv, d_token_weights, d_decays)
+    if any(g is None for g in grads):
+        grads = [torch.zeros_like(like) if g is None else g for g, like in
+                 zip(grads, _empty_outputs(qkv, heads, chunk, gates))]
+    d_qkv, d_logits = _grads_op(qkv, gate_logits, bias, conv_weight, history, *grads, *ctx.options)
+    d_conv_weight = d_history = None
+    if conv_weight is not None:
+        padded = torch.cat([history.to(qkv.dtype), qkv], 1).to(d_qkv.dtype)
+        d_qkv, d_conv_weight, d_history = _conv_backward(padded, conv_weight, d_qkv)
+        d_history = d_history.to(history.dtype)
     d_bias = None if bias is None else d_logits.sum((0, 1)).to(bias.dtype)
     return (d_qkv.to(qkv.dtype), d_logits.to(gate_logits.dtype), d_bias) + (None,) * 9 + (d_conv_weight, d_history)
 

@@ -153,3 +153,124 @@ def _gate_logit(rows, BIAS, offset, h, row_ok, act: tl.constexpr, HAS_BIAS: tl.c
         if ROUND:
             g = g.to(act).to(tl.float32)
     return g
+
+
+@triton.jit
+def chunk_inputs_bwd(QKV, LOGITS, BIAS, CONV_W, HISTORY, DQ, DK, DV, DTW, DDECAYS, D_CONVED, D_LOGITS,
+                     qkv_stride_b, qkv_stride_t, logit_stride_b, logit_stride_t, history_stride_b, history_stride_t,
+                     H, N, C, D, max_lr, forget_offset,
+                     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, VALUE_SILU: tl.constexpr,
+                     MOMENTUM: tl.constexpr, FORGET: tl.constexpr, ROUND: tl.constexpr, TOKEN: tl.constexpr,
+                     TAPS: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """`chunk_inputs_fwd`'s backward, program (b, h, n) as there: from the gradients of its outputs
+    (DQ, DK, DV (B, H, N, C, D), DTW, DDECAYS as the forward's outputs, contiguous fp32) to D_CONVED
+    (B, T, 3 H D), the gradient of the convolved projections (of qkv itself without a conv; the
+    conv's own backward, which reads the next chunk's rows, is left to the caller), and D_LOGITS
+    (B, T, 3 H), both contiguous. The conv is recomputed from QKV and HISTORY as the forward ran it."""
+    pid = tl.program_id(0)
+    n = pid % N
+    bh = pid // N
+    h = bh % H
+    b = bh // H
+    rows = tl.arange(0, BC)
+    cols = tl.arange(0, BD)
+    row_ok = rows < C
+    col_ok = cols < D
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    t = n * C + rows
+    source = ((bh * N + n) * C + rows[:, None]) * D + cols[None, :]
+    act = QKV.dtype.element_ty
+    channels = h * D + cols
+    for part in tl.static_range(3):  # q, k, v
+        x = _conved_tile(QKV, HISTORY, CONV_W, b, t, part * H * D + channels, row_ok, col_ok, qkv_stride_b,
+                         qkv_stride_t, history_stride_b, history_stride_t, act, TAPS, ROUND, BC, BD)
+        if part == 0:
+            grad = _head_grad(x, tl.load(DQ + source, mask=tile_ok, other=0.0), QK_NORM, QK_NORM)
+        elif part == 1:
+            grad = _head_grad(x, tl.load(DK + source, mask=tile_ok, other=0.0), QK_NORM, QK_NORM)
+        else:
+            grad = _head_grad(x, tl.load(DV + source, mask=tile_ok, other=0.0), VALUE_SILU, False)
+        target = D_CONVED + (b * N * C + t[:, None]) * 3 * H * D + part * H * D + channels[None, :]
+        tl.store(target, grad, mask=tile_ok)
+
+    logit_rows = LOGITS + b * logit_stride_b + t * logit_stride_t + h
+    theta_logit = _gate_logit(logit_rows, BIAS, 0 * H, h, row_ok, act, HAS_BIAS, ROUND)
+    eta_logit = _gate_logit(logit_rows, BIAS, 1 * H, h, row_ok, act, HAS_BIAS, ROUND)
+    forget_logit = _gate_logit(logit_rows, BIAS, 2 * H, h, row_ok, act, HAS_BIAS, ROUND) + forget_offset
+    theta_gate = tl.sigmoid(theta_logit)
+    chunk_row = (bh * N + n) * C + rows
+    if TOKEN:
+        d_theta, d_log_eta, d_log_keep = _token_gates_grad(
+            max_lr * theta_gate, eta_logit, forget_logit, rows, row_ok, C, tl.load(DTW + chunk_row * 2, mask=row_ok,
+                                                                                   other=0.0),
+            tl.load(DTW + chunk_row * 2 + 1, mask=row_ok, other=0.0), DDECAYS + (bh * N + n) * 4, MOMENTUM, FORGET,
+            BC)
+        d_eta = d_log_eta * tl.sigmoid(-eta_logit)
+        d_alpha = -d_log_keep * tl.sigmoid(forget_logit)
+    else:
+        d_theta = 2.0 * tl.load(DTW + chunk_row, mask=row_ok, other=0.0)
+        decays = DDECAYS + (bh * N + n) * 2
+        eta_gate = tl.sigmoid(eta_logit)
+        forget_gate = tl.sigmoid(forget_logit)
+        d_eta = tl.load(decays) / C * eta_gate * (1.0 - eta_gate)
+        d_alpha = tl.load(decays + 1) / C * forget_gate * (1.0 - forget_gate)
+    d_eta = d_eta if MOMENTUM else tl.zeros_like(d_eta)
+    d_alpha = d_alpha if FORGET else tl.zeros_like(d_alpha)
+    d_rows = D_LOGITS + (b * N * C + t) * 3 * H + h
+    tl.store(d_rows, d_theta * max_lr * theta_gate * (1.0 - theta_gate), mask=row_ok)
+    tl.store(d_rows + H, d_eta, mask=row_ok)
+    tl.store(d_rows + 2 * H, d_alpha, mask=row_ok)
+
+
+@triton.jit
+def _head_grad(x, grad, SILU: tl.constexpr, NORM: tl.constexpr):
+    """The gradient to x of <grad, _head_values(x)> (rounding the identity): through the rows' L2
+    norm u = s / max(||s||, eps) (grad - u <grad, u> where ||s|| > eps, over the norm) and the SiLU s."""
+    if SILU:
+        gate = tl.sigmoid(x)
+        s = x * gate
+        if NORM:
+            norm = tl.sqrt(tl.sum(s * s, axis=1))
+            scale = tl.maximum(norm, 1e-12)
+            u = s / scale[:, None]
+            radial = tl.where((norm > 1e-12)[:, None], u * tl.sum(grad * u, axis=1)[:, None], 0.0)
+            grad = (grad - radial) / scale[:, None]
+        grad = grad * gate * (1.0 + x * (1.0 - gate))
+    return grad
+
+
+@triton.jit
+def _token_gates_grad(theta, eta_logit, forget_logit, rows, row_ok, C, d_weight, d_momentum, DDECAYS,
+                      MOMENTUM: tl.constexpr, FORGET: tl.constexpr, BC: tl.constexpr):
+    """`_token_gates`' backward for one chunk (kernels/memory_inputs.py `_token_gates_backward` states
+    the formulas): from the gradients of TW's two columns and of DECAYS (2, 2), (d theta, d log eta,
+    d log(1 - alpha)) over the chunk's rows."""
+    log_keep = tl.where(row_ok, _log_sigmoid(-forget_logit), 0.0) if FORGET else tl.zeros_like(theta)
+    cum_keep = tl.cumsum(log_keep, 0)
+    total_keep = tl.sum(log_keep, 0)
+    to_end = tl.where(row_ok, tl.exp(total_keep - cum_keep), 0.0)  # R_t
+    lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]  # [t, i]: t >= i
+    if MOMENTUM:
+        log_eta = tl.where(row_ok, _log_sigmoid(eta_logit), 0.0)
+        cum_eta = tl.cumsum(log_eta, 0)
+        total_eta = tl.sum(log_eta, 0)
+        products = tl.where(lower, tl.exp(tl.where(lower, cum_eta[:, None] - cum_eta[None, :], 0.0)), 0.0)
+        from_start = tl.where(row_ok, tl.exp(cum_eta), 0.0)  # P[t, 0]
+        to_chunk_end = tl.where(row_ok, tl.exp(total_eta - cum_eta), 0.0)  # P[C, i]
+        momentum_end = tl.exp(total_eta)
+    else:
+        products = tl.where(lower & (rows[:, None] == rows[None, :]), 1.0, 0.0)
+        from_start = tl.zeros_like(theta)
+        to_chunk_end = tl.where(rows == C - 1, 1.0, 0.0)
+        momentum_end = tl.zeros_like(total_keep)
+    weighted = to_end[:, None] * products  # [t, i] = R_t P[t, i]
+    d_theta = -2.0 * (d_weight * tl.sum(weighted, axis=0) + d_momentum * to_chunk_end)
+    q = (-2.0 * theta * d_weight)[None, :] * weighted
+    q_start = tl.load(DDECAYS + 1) * to_end * from_start  # the start column
+    before = tl.cumsum(q, 1) - q + q_start[:, None]  # [t, j] = sum_{i<j} Q[t, i], the start included
+    c_momentum = -2.0 * theta * d_momentum * to_chunk_end
+    d_log_eta = tl.sum(tl.where(lower, before, 0.0), axis=0) + tl.cumsum(c_momentum, 0) - c_momentum \
+        + tl.load(DDECAYS + 3) * momentum_end
+    row_sums = tl.sum(q, axis=1) + q_start
+    d_log_keep = tl.cumsum(row_sums, 0) - row_sums + tl.load(DDECAYS) * tl.exp(total_keep)
+    return d_theta, d_log_eta, d_log_keep

@@ -92,6 +92,29 @@ def test_the_backward_equals_autograd_through_the_reference_in_float64(rule, fla
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("flags", FLAGS)
+@pytest.mark.parametrize("heads,dim,chunk", [(2, 16, 8), (3, 12, 3)])  # tiles padded; a chunk shorter than the conv
+def test_the_backward_kernel_equals_autograd_through_the_reference(rule, flags, heads, dim, chunk):
+    """fp32 inputs take the Triton backward (`chunk_inputs_bwd`); its gradients against autograd
+    through the float64 reference."""
+    gates, conv = rule
+    drawn = draw(2, 4 * chunk, heads, dim) + (draw_conv(2, heads, dim) if conv else ())
+    exact = [t.clone().requires_grad_() for t in drawn]
+    leaves = [t.float().requires_grad_() for t in drawn]
+    args = (heads, chunk, 0.01, FORGET_LOGIT_OFFSET, *flags, gates)
+    ours = chunk_inputs(*leaves[:3], *args, *(leaves[3:] if conv else (None, None)))
+    reference = chunk_inputs_reference(*exact[:3], *args, *(exact[3:] if conv else (None, None)))
+    g = torch.Generator().manual_seed(1)
+    probes = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in reference]
+    grads = torch.autograd.grad(sum((t * p.float()).sum() for t, p in zip(ours, probes)), leaves)
+    expected = torch.autograd.grad(sum((t * p).sum() for t, p in zip(reference, probes)), exact)
+    for name, a, b in zip(("qkv", "gate logits", "bias", "conv weight", "history"), grads, expected):
+        assert a.dtype == torch.float32 and b.abs().max() > 0, name
+        error = (a.double() - b).abs().max() / b.abs().max()
+        assert error < 1e-5, (name, error.item())
+
+
 def test_mismatched_shapes_name_the_problem():
     qkv, logits, bias = draw(1, 10, 2, 4, torch.float32)
     with pytest.raises(ValueError, match="multiple of the chunk"):

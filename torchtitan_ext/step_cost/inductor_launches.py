@@ -183,7 +183,7 @@ class _UnrunKernel:
 def _memory_kernels_unrun():
     """The whole-sequence memory ops (`memory_kernels::whole_sequence_fwd` / `_bwd`: opaque to
     torch.compile, one launch each wherever they run), and the op preparing their inputs
-    (`memory_inputs::chunk_inputs`), taken on a CPU and their Triton programs not run: a launch
+    (`memory_inputs::chunk_inputs` and its backward's `chunk_inputs_grads`), taken on a CPU and their Triton programs not run: a launch
     count needs none of their values, and the interpreter would spend minutes a layer on them.
     Their outputs are uninitialised, so the step's values are meaningless past them. Yields the
     forward kernel's stand-in (its `calls`: how often the whole-sequence path was taken)."""
@@ -191,7 +191,7 @@ def _memory_kernels_unrun():
 
     forward = _UnrunKernel()
     unrun = type("UnrunKernels", (), {"whole_sequence_fwd": forward, "whole_sequence_bwd": _UnrunKernel()})
-    unrun_inputs = type("UnrunKernels", (), {"chunk_inputs_fwd": _UnrunKernel()})
+    unrun_inputs = type("UnrunKernels", (), {"chunk_inputs_fwd": _UnrunKernel(), "chunk_inputs_bwd": _UnrunKernel()})
     with mock.patch.object(whole_sequence, "_kernels", unrun()), \
             mock.patch.object(memory_inputs, "_kernels", unrun_inputs()), \
             mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):  # `refusal` takes CPU inputs under the interpreter
