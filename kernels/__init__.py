@@ -15,7 +15,8 @@
   forward and one backward launch (kernels/whole_sequence.py; used by the neural memory's
   `whole_sequence` option, not by "auto").
 - `kernels.memory_inputs.chunk_inputs(...)`: the whole-sequence kernels' inputs from the memory's
-  projections in one launch, for the one-step-per-chunk rule without conv (kernels/memory_inputs.py).
+  projections in one launch, for either write rule, with or without the conv (kernels/memory_inputs.py);
+  its backward one launch too.
 backend "auto" runs what was measured fastest (`kernels/auto_table.py`): a table of (device
 kind, op, shape class) -> backend, compiled torch on CUDA where no kernel was measured
 faster (today everywhere: on an H100 the Triton paths were 1.2-2.3x slower for training),

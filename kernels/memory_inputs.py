@@ -50,6 +50,10 @@ except ImportError:  # the torch reference needs no triton (a Hugging Face expor
     triton = _kernels = None
 
 NORM_EPS = 1e-12  # F.normalize's
+# Warps per program of both kernels: at the paper shape (head_dim 64, chunk 64) under bf16 autocast, compiled for
+# sm_90 (scripts/compile_kernels.py, 2026-12-04, Triton 3.9), Titans' variants (conv, per-token rule) spill up to
+# 2,480 / 5,000 B (forward) and 3,548 / 7,104 B (backward) a thread at Triton's default 4, none at 8.
+NUM_WARPS = 8
 GATES = ("chunk", "token")
 
 
@@ -185,7 +189,7 @@ def _op(qkv: torch.Tensor, gate_logits: torch.Tensor, bias: torch.Tensor | None,
         float(max_lr), float(forget_offset), HAS_BIAS=bias is not None, QK_NORM=qk_norm, VALUE_SILU=value_silu,
         MOMENTUM=momentum, FORGET=forget, ROUND=qkv.dtype != torch.float32, TOKEN=gates == "token",
         TAPS=conv_weight.shape[-1] if conv else 0,
-        BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dim))
+        BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dim), num_warps=NUM_WARPS)
     return q, k, v, token_weights, decays
 
 
@@ -327,7 +331,7 @@ def _grads_op(qkv: torch.Tensor, gate_logits: torch.Tensor, bias: torch.Tensor |
         dq.shape[-1], float(max_lr), float(forget_offset), HAS_BIAS=bias is not None, QK_NORM=qk_norm,
         VALUE_SILU=value_silu, MOMENTUM=momentum, FORGET=forget, ROUND=qkv.dtype != torch.float32,
         TOKEN=gates == "token", TAPS=conv_weight.shape[-1] if conv else 0,
-        BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dq.shape[-1]))
+        BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dq.shape[-1]), num_warps=NUM_WARPS)
     return d_conved, d_logits
 
 

@@ -77,7 +77,7 @@ def _conved_tile(QKV, HISTORY, CONV_W, b, t, channels, row_ok, col_ok, qkv_strid
                     other=0.0).to(tl.float32)
     else:
         x = tl.zeros((BC, BD), dtype=tl.float32)
-        for j in tl.static_range(TAPS):
+        for j in range(TAPS):
             source = t - (TAPS - 1) + j
             in_call = (source >= 0)[:, None]
             projected = tl.load(QKV + qkv_stride_b * b + source[:, None] * qkv_stride_t + channels[None, :],

@@ -2,7 +2,8 @@
 each fits a block's shared memory and does not spill registers beyond a bound.
 
     python scripts/compile_kernels.py [--head-dim 64 --hidden 256 --chunk 64] [--arch 90]
-        [--only fwd,bwd] [--rules token,newton_schulz] [--products fp32,bf16_wgmma,bf16_mma,bf16_fma]
+        [--only fwd,bwd,inputs_fwd,inputs_bwd] [--rules token,newton_schulz]
+        [--products fp32,bf16_wgmma,bf16_mma,bf16_fma]
         [--max-spill BYTES]
         [--bound] [--wgmma-hazards]
 
@@ -25,6 +26,13 @@ otherwise find only at its first launch. `--wgmma-hazards` also disassembles eac
 bundled nvdisasm) and counts its HGMMAs and the writes to a register of an in-flight one before
 its wait (kernels/ptxas.py `wgmma_hazards`, the pattern of ptxas's fault before CUDA 13.3); any
 such write fails the run too.
+
+`inputs_fwd` / `inputs_bwd` are the kernels preparing the whole-sequence kernels' inputs
+(kernels/memory_inputs_triton.py `chunk_inputs_fwd` / `_bwd`), compiled once per rule as the layer
+launches them under bf16 autocast (bf16 projections and history, fp32 weights and outputs): "token"
+as Titans' memory (the per-token rule after a conv of 4), "newton_schulz" as Mela's (the chunk rule, no
+conv), with the launch's warps (kernels/memory_inputs.py `NUM_WARPS`); --products does not apply to
+them (no products), and their spill bound is 0 (--max-spill overrides it).
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import whole_sequence_triton  # noqa: E402
+from kernels import memory_inputs_triton, whole_sequence_triton  # noqa: E402
+from kernels.memory_inputs import NUM_WARPS as INPUTS_WARPS  # noqa: E402
 from kernels.ptxas import wgmma_hazards  # noqa: E402
 from kernels.whole_sequence import FMA_BF16, FP32, MUON_COEFFICIENTS, TENSOR_CORES, _blocks, without_wgmma  # noqa: E402
 
@@ -92,6 +101,22 @@ def compile_variant(kernel: str, rule: str, products: str, dim: int, hidden: int
         return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
 
 
+def compile_inputs_variant(kernel: str, rule: str, dim: int, chunk: int, arch: int, heads: int = 16):
+    """The compiled input-preparation kernel (`kernel` "inputs_fwd" or "inputs_bwd") of the layer of
+    `rule` (module docstring), at bf16 activations."""
+    fn = getattr(memory_inputs_triton, f"chunk_inputs_{kernel.split('_')[1]}")
+    token = rule == "token"
+    constants = dict(HAS_BIAS=not token, QK_NORM=True, VALUE_SILU=token, MOMENTUM=True, FORGET=True, ROUND=True,
+                     TOKEN=token, TAPS=4 if token else 0, BC=triton.next_power_of_2(chunk),
+                     BD=triton.next_power_of_2(dim))
+    activations = ("QKV", "LOGITS", "HISTORY")
+    signature = {name: "constexpr" if name in constants else "*bf16" if name in activations else "i32"
+                 if "stride" in name or name in ("H", "N", "C", "D") else "fp32" if name in ("max_lr", "forget_offset")
+                 else "*fp32" for name in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": INPUTS_WARPS, "num_stages": 1})
+
+
 def ptxas_usage(compiled) -> dict:
     """{"registers", "spill_stores", "spill_loads"} (per thread, bytes for spills) of a compiled
     kernel, from `ptxas -v` on its PTX with the flags Triton's own build passes: the kernel's
@@ -128,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT))
-    p.add_argument("--only", default="fwd,bwd")
+    p.add_argument("--only", default="fwd,bwd,inputs_fwd,inputs_bwd")
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--products", default=",".join(PRODUCTS), help=f"comma-separated: {', '.join(PRODUCTS)}")
     p.add_argument("--max-spill", type=int, default=None, help="one bound for all (default MAX_SPILL_BYTES)")
@@ -143,16 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for kernel in a.only.split(","):
         for rule in a.rules.split(","):
-            for products in a.products.split(","):
+            inputs = kernel.startswith("inputs_")
+            for products in ("fp32",) if inputs else a.products.split(","):
                 start = time.perf_counter()
                 try:
-                    compiled = compile_variant(kernel, rule, products, a.head_dim, a.hidden, a.chunk, a.arch,
-                                               a.bound)
+                    compiled = compile_inputs_variant(kernel, rule, a.head_dim, a.chunk, a.arch) if inputs else \
+                        compile_variant(kernel, rule, products, a.head_dim, a.hidden, a.chunk, a.arch, a.bound)
                     shared = compiled.metadata.shared
                     usage = ptxas_usage(compiled)
                     spills = max(usage["spill_stores"], usage["spill_loads"])
                     verdict = "fits" if shared <= limit else "DOES NOT FIT"
-                    bound = MAX_SPILL_BYTES[products] if a.max_spill is None else a.max_spill
+                    bound = a.max_spill if a.max_spill is not None else 0 if inputs else MAX_SPILL_BYTES[products]
                     failed |= shared > limit or spills > bound
                     line = (f"{usage['registers']:>3} registers, spill stores {usage['spill_stores']:>6,} B, "
                             f"loads {usage['spill_loads']:>6,} B{'' if spills <= bound else ' OVER THE BOUND'}; "
@@ -165,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # a variant that does not compile is a finding, not a crash
                     failed = True
                     line = f"DOES NOT COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                print(f"{kernel} {rule:<14} {products} products{' bound' if a.bound else ''}: {line} ({time.perf_counter() - start:.0f} s)",
-                      flush=True)
+                form = "bf16 activations" if inputs else f"{products} products{' bound' if a.bound else ''}"
+                print(f"{kernel} {rule:<14} {form}: {line} ({time.perf_counter() - start:.0f} s)", flush=True)
     return int(failed)
 
 
