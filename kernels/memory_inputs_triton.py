@@ -24,19 +24,10 @@ def chunk_inputs_fwd(QKV, LOGITS, BIAS, CONV_W, HISTORY, Q, K, V, TW, DECAYS,
     contiguous fp32: Q, K, V (B, H, N, C, D), TW (B, H, N, C, 1 or 2 with TOKEN), DECAYS
     (B, H, N, 2, or 2 x 2 with TOKEN). ROUND rounds each value the layer keeps in the activation
     dtype (the conv's output, q, k, v and the biased logits) to QKV's dtype first."""
-    pid = tl.program_id(0)
-    n = pid % N
-    bh = pid // N
-    h = bh % H
-    b = bh // H
-    rows = tl.arange(0, BC)
-    cols = tl.arange(0, BD)
-    row_ok = rows < C
-    tile_ok = row_ok[:, None] & (cols[None, :] < D)
-    t = n * C + rows
+    n, bh, h, b, rows, cols, row_ok, col_ok, t = _program(N, H, C, D, BC, BD)
+    tile_ok = row_ok[:, None] & col_ok[None, :]
     target = ((bh * N + n) * C + rows[:, None]) * D + cols[None, :]
     act = QKV.dtype.element_ty
-    col_ok = cols < D
     channels = h * D + cols
     for part in tl.static_range(3):  # q, k, v
         x = _conved_tile(QKV, HISTORY, CONV_W, b, t, part * H * D + channels, row_ok, col_ok, qkv_stride_b,
@@ -63,6 +54,18 @@ def chunk_inputs_fwd(QKV, LOGITS, BIAS, CONV_W, HISTORY, Q, K, V, TW, DECAYS,
         decays = DECAYS + (bh * N + n) * 2
         tl.store(decays, tl.sum(tl.where(row_ok, eta, 0.0), axis=0) / C)
         tl.store(decays + 1, tl.sum(tl.where(row_ok, alpha, 0.0), axis=0) / C)
+
+
+@triton.jit
+def _program(N, H, C, D, BC: tl.constexpr, BD: tl.constexpr):
+    """This program's (chunk n, b H + h, head h, batch row b, tile rows, tile columns, valid rows,
+    valid columns, sequence positions t = n C + rows)."""
+    pid = tl.program_id(0)
+    n = pid % N
+    bh = pid // N
+    rows = tl.arange(0, BC)
+    cols = tl.arange(0, BD)
+    return n, bh, bh % H, bh // H, rows, cols, rows < C, cols < D, n * C + rows
 
 
 @triton.jit
@@ -167,17 +170,8 @@ def chunk_inputs_bwd(QKV, LOGITS, BIAS, CONV_W, HISTORY, DQ, DK, DV, DTW, DDECAY
     (B, T, 3 H D), the gradient of the convolved projections (of qkv itself without a conv; the
     conv's own backward, which reads the next chunk's rows, is left to the caller), and D_LOGITS
     (B, T, 3 H), both contiguous. The conv is recomputed from QKV and HISTORY as the forward ran it."""
-    pid = tl.program_id(0)
-    n = pid % N
-    bh = pid // N
-    h = bh % H
-    b = bh // H
-    rows = tl.arange(0, BC)
-    cols = tl.arange(0, BD)
-    row_ok = rows < C
-    col_ok = cols < D
+    n, bh, h, b, rows, cols, row_ok, col_ok, t = _program(N, H, C, D, BC, BD)
     tile_ok = row_ok[:, None] & col_ok[None, :]
-    t = n * C + rows
     source = ((bh * N + n) * C + rows[:, None]) * D + cols[None, :]
     act = QKV.dtype.element_ty
     channels = h * D + cols
