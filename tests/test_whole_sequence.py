@@ -342,17 +342,19 @@ def test_kernels_compile_for_an_h100_within_its_shared_memory_and_spill_bound():
     (no GPU; a process of its own, since this one's kernels are the interpreter's): the forward
     in fp32 products and the per-token backward in each bf16 form (on the FMA units, the
     fallback without a fixed ptxas; through wgmma, the Hopper default, and mma.sync) at the paper shape, and
-    Titans' input kernels (kernels/memory_inputs_triton.py, which must not spill at all), fit 227 KiB of shared memory and spill no more than the script's bound, read from ptxas's
+    Titans' input kernels (kernels/memory_inputs_triton.py, which spill nothing under the pinned Triton), fit 227 KiB of shared memory and spill no more than the script's bound, read from ptxas's
     report (every variant: docs/benchmarks.md); the wgmma backward's HGMMAs have no register
     written while in flight (kernels/ptxas.py `wgmma_hazards`), and the other forms have none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for only, products in (("fwd", "fp32"), ("bwd", "bf16_fma"), ("bwd", "bf16_wgmma"), ("bwd", "bf16_mma"),
-                           ("inputs_fwd,inputs_bwd", "fp32")):  # the input kernels: bound 0, no HGMMA
+                           ("inputs_fwd,inputs_bwd", "fp32")):  # the input kernels: no spill here, no HGMMA
         run = subprocess.run([sys.executable, "scripts/compile_kernels.py", "--only", only, "--rules", "token",
                               "--products", products, "--wgmma-hazards"], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=900)
         assert run.returncode == 0 and "shared, fits" in run.stdout, run.stdout + run.stderr[-2000:]
         assert " registers, spill stores " in run.stdout and "OVER THE BOUND" not in run.stdout, run.stdout
+        if only.startswith("inputs"):
+            assert run.stdout.count("spill stores      0 B, loads      0 B") == 2, run.stdout
         # the wgmma backward's HGMMAs (the fp32 forward and the mma.sync backward have none), none written to
         # before its wait
         hgmma = int(run.stdout.split(" HGMMA,")[0].rsplit(" ", 1)[1])
