@@ -276,12 +276,13 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights
                 read_after_write: bool, checkpoint_every: int, bf16_products: bool, limit: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (B, H, N, C, d), final s1, final s2, ck1 (B*H, NG + 1, 2, d, h), ck2 (B*H, NG + 1, 2, h, d),
-    the bound's scales (`_scales`)), NG = ceil(N / checkpoint_every), all fp32: one launch (the
-    final state is copied out of the checkpoints' last entry); limit (B, H, N, K) or None."""
+    the bound's scales (`_scales`)), NG = ceil(N / checkpoint_every), all fp32: one launch and no copy
+    (the kernel reads the initial state where it is, fp32 and contiguous as the layer's states are, and
+    writes the final state to its output; checkpoints 0 and NG are left unused); limit (B, H, N, K) or None."""
     batch, heads, chunks, chunk, dim = q.shape
     hidden = s1.shape[-1]
     ck1, ck2 = _checkpoints(q, hidden, chunks, checkpoint_every)
-    ck1[:, 0], ck2[:, 0] = _flat(s1), _flat(s2)
+    final1, final2 = (s.new_empty(s.shape, dtype=torch.float32) for s in (s1, s2))
     y = q.new_empty(q.shape, dtype=torch.float32)
     scratch = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32) if ns_steps else y
     scales = _scales(q, limit)
@@ -289,9 +290,10 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights
     with mma_family(options["BF16"]):
         _kernels.whole_sequence_fwd[(batch * heads,)](
             _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), _limit_pointer(limit, scales), scales,
-            ck1, ck2, *_group_buffers(q, hidden, checkpoint_every), y, scratch, float(step_scale), chunks,
-            checkpoint_every, chunk, dim, hidden, RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **options)
-    return y, ck1[:, -1].view(s1.shape).clone(), ck2[:, -1].view(s2.shape).clone(), ck1, ck2, scales
+            ck1, ck2, *_group_buffers(q, hidden, checkpoint_every), _flat(s1), _flat(s2), final1, final2, y, scratch,
+            float(step_scale), chunks, checkpoint_every, chunk, dim, hidden, RESIDUAL=residual,
+            READ_AFTER_WRITE=read_after_write, **options)
+    return y, final1, final2, ck1, ck2, scales
 
 
 @_forward_op.register_fake
@@ -304,38 +306,39 @@ def _(q, k, v, token_weights, gates, s1, s2, ns_steps, step_scale, residual, rea
 
 @torch.library.custom_op("memory_kernels::whole_sequence_bwd", mutates_args=())
 def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_weights: torch.Tensor, gates: torch.Tensor,
-                 ck1: torch.Tensor, ck2: torch.Tensor, dy: torch.Tensor, dn1: torch.Tensor, dn2: torch.Tensor,
+                 ck1: torch.Tensor, ck2: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, final1: torch.Tensor,
+                 final2: torch.Tensor, dy: torch.Tensor, dn1: torch.Tensor, dn2: torch.Tensor,
                  ns_steps: int, step_scale: float, residual: bool, read_after_write: bool, checkpoint_every: int,
                  bf16_products: bool, limit: torch.Tensor | None = None, scales: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
-    """(dq, dk, dv, d token_weights, d gates, d s1, d s2), all fp32: one launch; limit and the
-    forward's scales (`_scales`) with a bound (the scales constants; the backward's recomputation
-    writes the same values again)."""
+    """(dq, dk, dv, d token_weights, d gates, d s1, d s2), all fp32: one launch and no copy for fp32
+    contiguous inputs (the kernel copies dn into the gradients it updates in place, and its
+    recomputation writes its scales to a buffer of its own); s1, s2 the forward's initial and final1,
+    final2 its final state; limit and the forward's scales (`_scales`) with a bound (constants here)."""
     batch, heads, chunks, chunk, dim = q.shape
     hidden = ck1.shape[-1]
-    # the kernel updates these in place: one fresh contiguous fp32 copy each, whatever dn's dtype
-    ds1 = dn1.to(torch.float32, memory_format=torch.contiguous_format, copy=True).flatten(0, 1)
-    ds2 = dn2.to(torch.float32, memory_format=torch.contiguous_format, copy=True).flatten(0, 1)
+    ds1, ds2 = (q.new_empty(d.shape, dtype=torch.float32).flatten(0, 1) for d in (dn1, dn2))
     dq, dk, dv = (q.new_empty(q.shape, dtype=torch.float32) for _ in range(3))
     dtw = q.new_empty(token_weights.shape, dtype=torch.float32)
     dgates = q.new_empty(gates.shape, dtype=torch.float32)
     iterates = q.new_empty(batch * heads, 2, max(ns_steps, 1), dim, hidden, dtype=torch.float32)
     ybuf = q.new_empty(batch * heads, 2, dim, hidden, dtype=torch.float32)
-    scales = _scales(q, limit) if scales is None else scales.clone()  # the recomputation rewrites it
+    scales = _scales(q, limit) if scales is None else scales
     options = _launch_options(q, ck1, ns_steps, bf16_products, limit)
     with mma_family(options["BF16"]):
         _kernels.whole_sequence_bwd[(batch * heads,)](
             _flat(q), _flat(k), _flat(v), _flat(token_weights), _flat(gates), _limit_pointer(limit, scales), scales,
-            ck1, ck2, *_group_buffers(q, hidden, checkpoint_every), _flat(dy.to(torch.float32)), ds1, ds2, dq, dk, dv,
+            torch.empty_like(scales), ck1, ck2, *_group_buffers(q, hidden, checkpoint_every), _flat(s1), _flat(s2),
+            _flat(final1), _flat(final2), _flat(dy), _flat(dn1), _flat(dn2), ds1, ds2, dq, dk, dv,
             dtw, dgates, iterates, ybuf, float(step_scale), chunks, checkpoint_every, chunk, dim, hidden,
             RESIDUAL=residual, READ_AFTER_WRITE=read_after_write, **options)
     return dq, dk, dv, dtw, dgates, ds1.view(dn1.shape), ds2.view(dn2.shape)
 
 
 @_backward_op.register_fake
-def _(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2, ns_steps, step_scale, residual, read_after_write,
-      checkpoint_every, bf16_products, limit=None, scales=None):
+def _(q, k, v, token_weights, gates, ck1, ck2, s1, s2, final1, final2, dy, dn1, dn2, ns_steps, step_scale, residual,
+      read_after_write, checkpoint_every, bf16_products, limit=None, scales=None):
     fp32 = dict(dtype=torch.float32)
     return (q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32), q.new_empty(q.shape, **fp32),
             q.new_empty(token_weights.shape, **fp32), q.new_empty(gates.shape, **fp32),
@@ -344,8 +347,8 @@ def _(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2, ns_steps, step_scal
 
 def _setup_context(ctx, inputs, output):
     q, k, v, token_weights, gates, s1, s2, *options, limit = inputs
-    *_, ck1, ck2, scales = output
-    ctx.save_for_backward(q, k, v, token_weights, gates, ck1, ck2, limit, scales)
+    _, final1, final2, ck1, ck2, scales = output
+    ctx.save_for_backward(q, k, v, token_weights, gates, ck1, ck2, s1, s2, final1, final2, limit, scales)
     ctx.mark_non_differentiable(ck1, ck2, scales)
     ctx.set_materialize_grads(False)
     ctx.options = options
@@ -356,11 +359,12 @@ def _backward(ctx, dy, dn1, dn2, _dck1, _dck2, _dscales):
     """Gradients of (y, final state) back to the inputs and the initial state (none to the
     bound's limits: its scales are constants); an output nothing used arrives as None and
     counts as zero."""
-    q, k, v, token_weights, gates, ck1, ck2, limit, scales = ctx.saved_tensors
+    q, k, v, token_weights, gates, ck1, ck2, s1, s2, final1, final2, limit, scales = ctx.saved_tensors
     dy = q.new_zeros(q.shape, dtype=torch.float32) if dy is None else dy
     dn1, dn2 = (q.new_zeros(shape, dtype=torch.float32) if d is None else d
                 for d, shape in zip((dn1, dn2), ctx.state_shapes))
-    dq, dk, dv, dtw, dgates, ds1, ds2 = _backward_op(q, k, v, token_weights, gates, ck1, ck2, dy, dn1, dn2,
+    dq, dk, dv, dtw, dgates, ds1, ds2 = _backward_op(q, k, v, token_weights, gates, ck1, ck2, s1, s2, final1, final2,
+                                                     dy, dn1, dn2,
                                                      *ctx.options, limit, None if limit is None else scales)
     cast = [g.to(t.dtype) for g, t in zip((dq, dk, dv, dtw, dgates), (q, k, v, token_weights, gates))]
     return (*cast, ds1, ds2, None, None, None, None, None, None, None)

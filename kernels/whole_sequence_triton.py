@@ -425,10 +425,12 @@ def _write_chunk(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_ptr, r
 
 
 @triton.jit
-def _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G, NG, D, HD):
+def _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, init1_ptr, init2_ptr, fin1_ptr, fin2_ptr, pid, c, first, last,
+                    G, NG, N, D, HD):
     """(old1, old2, new1, new2) of chunk c in the group of chunks first .. last (g = first // G):
     the group's entering state is checkpoint g, its result checkpoint g + 1; the states between
-    are entries c - first of the group's buffer seg (G, 2, ...)."""
+    are entries c - first of the group's buffer seg (G, 2, ...). Chunk 0 reads the initial state
+    at init, chunk N - 1 writes the final state to fin (checkpoints 0 and NG are not used)."""
     size1 = D * HD
     g = first // G
     old1 = seg1_ptr + (pid * G + c - first) * 2 * size1
@@ -436,12 +438,26 @@ def _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G
     if c == first:
         old1 = ck1_ptr + (pid * (NG + 1) + g) * 2 * size1
         old2 = ck2_ptr + (pid * (NG + 1) + g) * 2 * size1
+        if c == 0:
+            old1 = init1_ptr + pid * 2 * size1
+            old2 = init2_ptr + pid * 2 * size1
     new1 = seg1_ptr + (pid * G + c + 1 - first) * 2 * size1
     new2 = seg2_ptr + (pid * G + c + 1 - first) * 2 * size1
     if c == last:
         new1 = ck1_ptr + (pid * (NG + 1) + g + 1) * 2 * size1
         new2 = ck2_ptr + (pid * (NG + 1) + g + 1) * 2 * size1
+        if c == N - 1:
+            new1 = fin1_ptr + pid * 2 * size1
+            new2 = fin2_ptr + pid * 2 * size1
     return old1, old2, new1, new2
+
+
+@triton.jit
+def _copy_state(source, target, size, BLOCK: tl.constexpr):
+    """target[0:size] = source[0:size] (one program's state block, fp32)."""
+    for start in range(0, size, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        tl.store(target + offsets, tl.load(source + offsets, mask=offsets < size), mask=offsets < size)
 
 
 @triton.jit
@@ -464,7 +480,7 @@ def _sum_gradients(dn1_0, dn1_1, dn2_0, dn2_1, scale1_0, scale1_1, scale2_0, sca
 
 @triton.jit
 def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_ptr, ck1_ptr, ck2_ptr, seg1_ptr,
-                       seg2_ptr, y_ptr, x_ptr, step_scale, N, G, C, D, HD, K: tl.constexpr, NS_STEPS: tl.constexpr,
+                       seg2_ptr, init1_ptr, init2_ptr, fin1_ptr, fin2_ptr, y_ptr, x_ptr, step_scale, N, G, C, D, HD, K: tl.constexpr, NS_STEPS: tl.constexpr,
                        A_COEF: tl.constexpr, B_COEF: tl.constexpr, C_COEF: tl.constexpr, RESIDUAL: tl.constexpr,
                        READ_AFTER_WRITE: tl.constexpr, LIMITED: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
                        BH: tl.constexpr, BF16: tl.constexpr):
@@ -481,7 +497,8 @@ def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_
     for c in range(N):
         first = (c // G) * G
         last = tl.minimum(first + G, N) - 1
-        old1, old2, new1, new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G, NG, D, HD)
+        old1, old2, new1, new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, init1_ptr, init2_ptr, fin1_ptr,
+                                                 fin2_ptr, pid, c, first, last, G, NG, N, D, HD)
         y = _write_chunk(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_ptr, pid * N + c, old1, old2, new1,
                          new2, x1, x1 + D * HD, step_scale, C, D, HD, rc, rd, rh, K, NS_STEPS, A_COEF, B_COEF, C_COEF,
                          RESIDUAL, READ_AFTER_WRITE, True, LIMITED, BD, BH, BF16)
@@ -490,15 +507,18 @@ def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_
 
 
 @triton.jit
-def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_ptr, ck1_ptr, ck2_ptr, seg1_ptr,
-                       seg2_ptr, dy_ptr, ds1_ptr, ds2_ptr, dq_ptr, dk_ptr, dv_ptr, dtw_ptr, dgates_ptr, iter_ptr,
+def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_ptr, rescale_ptr, ck1_ptr, ck2_ptr,
+                       seg1_ptr, seg2_ptr, init1_ptr, init2_ptr, fin1_ptr, fin2_ptr, dy_ptr, dn1_ptr, dn2_ptr, ds1_ptr,
+                       ds2_ptr, dq_ptr, dk_ptr, dv_ptr, dtw_ptr, dgates_ptr, iter_ptr,
                        ybuf_ptr, step_scale, N, G, C, D, HD, K: tl.constexpr, NS_STEPS: tl.constexpr,
                        A_COEF: tl.constexpr, B_COEF: tl.constexpr, C_COEF: tl.constexpr, RESIDUAL: tl.constexpr,
                        READ_AFTER_WRITE: tl.constexpr, LIMITED: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
                        BH: tl.constexpr, BF16: tl.constexpr):
     """One (batch, head), groups of G chunks from the last: each group's states are recomputed
     from its checkpoint into seg (as the forward), then its chunks N-1 .. 0 run backward. ds1 (2, D, HD),
-    ds2 (2, HD, D) enter as dL/d(final state) and leave as dL/d(initial state); writes dq, dk, dv
+    ds2 (2, HD, D) start as dL/d(final state) (copied from dn1, dn2) and leave as dL/d(initial state); the
+    initial and final states at init and fin (the forward's `_state_pointers`); the recomputation's
+    scales go to rescale (the forward's at scale are read); writes dq, dk, dv
     (N, C, D), dtw (N, C, K), dgates like gates. Scratch: iter (2, NS_STEPS, D, HD), ybuf (2, D, HD).
     LIMITED: the bound's scales (N, 2, 2) of the forward are constants here (G_m enters as s G_m).
 
@@ -513,6 +533,9 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_
     ds1, ds2 = ds1_ptr + pid * 2 * size1, ds2_ptr + pid * 2 * size2
     NG = (N + G - 1) // G
     x1 = ybuf_ptr + pid * 2 * size1  # Newton-Schulz scratch of the recomputation (free until the backward)
+    _copy_state(dn1_ptr + pid * 2 * size1, ds1, 2 * size1, BD * BH)
+    _copy_state(dn2_ptr + pid * 2 * size2, ds2, 2 * size2, BD * BH)
+    tl.debug_barrier()
     for step in range(N):
         c = N - 1 - step
         row = pid * N + c
@@ -520,13 +543,15 @@ def whole_sequence_bwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_
         last = tl.minimum(first + G, N) - 1
         if c == last:  # entering a group from its end: recompute the states between its checkpoints
             for r in range(first, last):
-                r_old1, r_old2, r_new1, r_new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, r, first,
-                                                                 last, G, NG, D, HD)
-                _write_chunk(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_ptr, pid * N + r, r_old1, r_old2,
+                r_old1, r_old2, r_new1, r_new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, init1_ptr,
+                                                                 init2_ptr, fin1_ptr, fin2_ptr, pid, r, first, last,
+                                                                 G, NG, N, D, HD)
+                _write_chunk(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, rescale_ptr, pid * N + r, r_old1, r_old2,
                              r_new1, r_new2, x1, x1 + size1, step_scale, C, D, HD, rc, rd, rh, K, NS_STEPS, A_COEF,
                              B_COEF, C_COEF, RESIDUAL, READ_AFTER_WRITE, False, LIMITED, BD, BH, BF16)
                 tl.debug_barrier()
-        old1, old2, new1, new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, pid, c, first, last, G, NG, D, HD)
+        old1, old2, new1, new2 = _state_pointers(ck1_ptr, ck2_ptr, seg1_ptr, seg2_ptr, init1_ptr, init2_ptr, fin1_ptr,
+                                                 fin2_ptr, pid, c, first, last, G, NG, N, D, HD)
         if READ_AFTER_WRITE:  # y = M'(q): into dL/dM' before anything reads it
             _read_backward(q_ptr, dy_ptr, dq_ptr, row, new1, new2, ds1, ds2, C, D, HD, rc, rd, rh, RESIDUAL, BH, BF16)
             tl.debug_barrier()

@@ -59,7 +59,8 @@ _LAUNCH_LINE = re.compile(r"^\s*(?:(?P<triton>\w+)\.run\(|.*?extern_kernels\.(?P
 def wrapper_launches(source: str) -> Counter:
     """The launches of one Inductor wrapper module's `call`, in kinds: "triton" (a generated
     kernel), "extern <op>" (a library kernel: mm, bmm, addmm, ...), "op <namespace.op>" (a fallback
-    op: the memory kernels, attention). Each is one launch on a GPU."""
+    op: the memory kernels, attention). Each is one launch on a GPU (the custom ops launch nothing
+    besides their kernel: tests/test_whole_sequence.py)."""
     body = source[source.index("def call(") :]
     body = body.split("\nrunner = ", 1)[0]
     counts = Counter()
