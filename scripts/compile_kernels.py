@@ -60,15 +60,14 @@ from kernels.whole_sequence import FMA_BF16, FP32, MUON_COEFFICIENTS, TENSOR_COR
 
 SHARED_LIMIT = {90: 232_448}  # opt-in shared memory per block, bytes
 # Spill stores or loads per thread a variant may have, per products, at the paper shape (Triton
-# 3.9, sm_90a, its ptxas 13.4), summed over the kernel and the functions it calls: the worst variant
-# now, rounded up. bf16 through wgmma (the default on Hopper, with a fixed ptxas): the Newton-Schulz
-# backward's 1,100 B of loads with the surprise bound (--bound; 916 B without), the per-token backward
-# 580 B (424 B), the forwards none. bf16 through mma.sync: the per-token backward's 1,224 B of loads
-# with the bound (976 B without), the Newton-Schulz backward 724 B (556 B), the forwards <= 24 B.
-# bf16 on the FMA units (operands rounded to bf16: the
-# fallback without a fixed ptxas): the Newton-Schulz backward's 24,508 B
-# (with the bound), the per-token backward 4,544 B, the forwards <= 588 B. fp32: the
-# Newton-Schulz backward's 39,996 B. Why not 0: kernels/whole_sequence_triton.py.
+# 3.9, sm_90a, its ptxas 13.4), summed over the kernel and the functions it calls: the worst variant,
+# rounded up (figures of 2026-12-04, after the kernels took the initial and final states' pointers).
+# bf16 through wgmma (the default on Hopper, with a fixed ptxas): the Newton-Schulz backward's 1,136 B
+# of loads with the surprise bound (--bound; 1,080 B without), the per-token backward 796 B (432 B), the
+# forwards none. bf16 through mma.sync: the per-token backward's 1,180 B of loads with the bound, the
+# Newton-Schulz backward 972 B. bf16 on the FMA units (operands rounded to bf16: the fallback without a
+# fixed ptxas): the Newton-Schulz backward's 25,164 B (with the bound), the per-token backward 4,552 B.
+# fp32: the Newton-Schulz backward's 40,060 B. Why not 0: kernels/whole_sequence_triton.py.
 MAX_SPILL_BYTES = {"bf16_wgmma": 1_152, "bf16_mma": 1_280, "bf16_fma": 25_600, "fp32": 40_960}
 # The input kernels (kernels/memory_inputs_triton.py) at 8 warps: 0 B under Triton 3.9 (its ptxas 13.4); 28 B of
 # stores and loads in Mela's backward under the lease image's Triton 3.6 (its ptxas 12.8), 0 in the others (2026-12-04).
