@@ -245,27 +245,15 @@ def test_titans_memory_through_the_op_equals_its_own_preparation_across_calls():
 def test_the_ops_launch_nothing_besides_their_kernels(monkeypatch):
     """A launch count takes the op and its backward's op for one launch each (torchtitan_ext/step_cost):
     for the fp32 contiguous tensors the layer hands them their bodies run no copy besides the kernel
-    (aten copy_, clone, _to_copy seen by a dispatch mode; the Triton kernels stubbed out)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    (`op_copies.copies_run`; the Triton kernels stubbed out)."""
     import kernels.memory_inputs as memory_inputs
+    from op_copies import copies_run, unrun_kernels
 
-    class Copies(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten.clone, torch.ops.aten._to_copy):
-                Copies.count += 1
-            return func(*args, **(kwargs or {}))
-
-    unrun = type("Unrun", (), {"__getitem__": lambda self, grid: lambda *args, **kwargs: None})()
-    monkeypatch.setattr(memory_inputs, "_kernels", type("Kernels", (), {"chunk_inputs_fwd": unrun,
-                                                                         "chunk_inputs_bwd": unrun})())
+    monkeypatch.setattr(memory_inputs, "_kernels", unrun_kernels("chunk_inputs_fwd", "chunk_inputs_bwd"))
     qkv, logits, bias = draw(2, 16, 2, 8, torch.float32)
     weight, history = draw_conv(2, 2, 8, dtype=torch.float32)
     options = (2, 4, 0.01, FORGET_LOGIT_OFFSET, True, True, True, True, "token")
-    with Copies():
-        outputs = memory_inputs._op._init_fn(qkv, logits, None, *options, weight, history)
-        memory_inputs._grads_op._init_fn(qkv, logits, None, weight, history, *(torch.ones_like(t) for t in outputs),
-                                         *options)
-    assert Copies.count == 0
+    outputs, forward = copies_run(memory_inputs._op._init_fn, qkv, logits, None, *options, weight, history)
+    _, backward = copies_run(memory_inputs._grads_op._init_fn, qkv, logits, None, weight, history,
+                             *(torch.ones_like(t) for t in outputs), *options)
+    assert (forward, backward) == (0, 0)

@@ -364,34 +364,23 @@ def test_kernels_compile_for_an_h100_within_its_shared_memory_and_spill_bound():
 @pytest.mark.parametrize("bounded", [False, True])
 def test_the_ops_launch_nothing_besides_their_kernels(bounded, monkeypatch):
     """A launch count takes each whole-sequence op for one launch (torchtitan_ext/step_cost): their
-    bodies run no copy besides the kernel (aten copy_, clone, _to_copy seen by a dispatch mode; the
-    Triton kernels stubbed out) for the fp32 contiguous state the layer hands them, forward and
-    backward, with and without a surprise bound. (They once ran 4 forward and 2-3 backward: the state
-    copied into and out of the checkpoints, the gradients and scales copied for the kernel.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    bodies run no copy besides the kernel (`op_copies.copies_run`; the Triton kernels stubbed out)
+    for the fp32 contiguous state the layer hands them, forward and backward, with and without a
+    surprise bound. (They once ran 4 forward and 2-3 backward: the state copied into and out of the
+    checkpoints, the gradients and scales copied for the kernel.)"""
     from kernels import whole_sequence
+    from op_copies import copies_run, unrun_kernels
 
-    class Copies(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten.clone, torch.ops.aten._to_copy):
-                Copies.count += 1
-            return func(*args, **(kwargs or {}))
-
-    unrun = type("Unrun", (), {"__getitem__": lambda self, grid: lambda *args, **kwargs: None})()
-    monkeypatch.setattr(whole_sequence, "_kernels", type("Kernels", (), {"whole_sequence_fwd": unrun,
-                                                                          "whole_sequence_bwd": unrun})())
+    monkeypatch.setattr(whole_sequence, "_kernels", unrun_kernels("whole_sequence_fwd", "whole_sequence_bwd"))
     batch, heads, chunks, chunk, dim, hidden = 1, 2, 3, 4, 8, 16
     q, k, v = (torch.randn(batch, heads, chunks, chunk, dim) for _ in range(3))
     token_weights, gates = torch.randn(batch, heads, chunks, chunk, 2), torch.rand(batch, heads, chunks, 2, 2)
     s1, s2 = torch.randn(batch, heads, 2, dim, hidden), torch.randn(batch, heads, 2, hidden, dim)
     limit = torch.full((batch, heads, chunks, 2), 20.0) if bounded else None
-    with Copies():
-        y, f1, f2, ck1, ck2, scales = whole_sequence._forward_op._init_fn(
-            q, k, v, token_weights, gates, s1, s2, 0, 1.0, False, False, 2, False, limit)
-        whole_sequence._backward_op._init_fn(q, k, v, token_weights, gates, ck1, ck2, s1, s2, f1, f2,
-                                             torch.ones_like(y), torch.ones_like(f1), torch.ones_like(f2), 0, 1.0,
-                                             False, False, 2, False, limit, scales if bounded else None)
-    assert Copies.count == 0
+    (y, f1, f2, ck1, ck2, scales), forward = copies_run(
+        whole_sequence._forward_op._init_fn, q, k, v, token_weights, gates, s1, s2, 0, 1.0, False, False, 2, False,
+        limit)
+    _, backward = copies_run(whole_sequence._backward_op._init_fn, q, k, v, token_weights, gates, ck1, ck2, s1, s2, f1,
+                             f2, torch.ones_like(y), torch.ones_like(f1), torch.ones_like(f2), 0, 1.0, False, False, 2,
+                             False, limit, scales if bounded else None)
+    assert (forward, backward) == (0, 0)
