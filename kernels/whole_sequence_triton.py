@@ -480,7 +480,8 @@ def _sum_gradients(dn1_0, dn1_1, dn2_0, dn2_1, scale1_0, scale1_1, scale2_0, sca
 
 @triton.jit
 def whole_sequence_fwd(q_ptr, k_ptr, v_ptr, tw_ptr, gates_ptr, limit_ptr, scale_ptr, ck1_ptr, ck2_ptr, seg1_ptr,
-                       seg2_ptr, init1_ptr, init2_ptr, fin1_ptr, fin2_ptr, y_ptr, x_ptr, step_scale, N, G, C, D, HD, K: tl.constexpr, NS_STEPS: tl.constexpr,
+                       seg2_ptr, init1_ptr, init2_ptr, fin1_ptr, fin2_ptr, y_ptr, x_ptr, step_scale, N, G, C, D, HD,
+                       K: tl.constexpr, NS_STEPS: tl.constexpr,
                        A_COEF: tl.constexpr, B_COEF: tl.constexpr, C_COEF: tl.constexpr, RESIDUAL: tl.constexpr,
                        READ_AFTER_WRITE: tl.constexpr, LIMITED: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
                        BH: tl.constexpr, BF16: tl.constexpr):
