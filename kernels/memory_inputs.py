@@ -178,19 +178,27 @@ def _op(qkv: torch.Tensor, gate_logits: torch.Tensor, bias: torch.Tensor | None,
     if refusal(qkv, gate_logits, heads, chunk, gates, conv_weight, history) is not None:
         return tuple(t.contiguous() for t in chunk_inputs_reference(qkv, gate_logits, bias, heads, chunk, max_lr,
                                                                       forget_offset, *flags))
-    q, k, v, token_weights, decays = _empty_outputs(qkv, heads, chunk, gates)
-    batch, heads, chunks, _, dim = q.shape
+    outputs = _empty_outputs(qkv, heads, chunk, gates)
+    _launch(_kernels.chunk_inputs_fwd, outputs, qkv, gate_logits, bias, conv_weight, history, heads, chunk,
+            outputs[0].shape[-1], max_lr, forget_offset, qk_norm, value_silu, momentum, forget, gates)
+    return outputs
+
+
+def _launch(kernel, tensors, qkv, gate_logits, bias, conv_weight, history, heads: int, chunk: int, dim: int,
+            max_lr: float, forget_offset: float, qk_norm: bool, value_silu: bool, momentum: bool, forget: bool,
+            gates: str) -> None:
+    """`kernel` (kernels/memory_inputs_triton.py `chunk_inputs_fwd` or `_bwd`) over one program per
+    (batch, head, chunk): the layer's inputs, then `tensors` (the kernel's own), then sizes and switches."""
     conv = conv_weight is not None
-    _kernels.chunk_inputs_fwd[(batch * heads * chunks,)](
+    batch, length, _ = qkv.shape
+    kernel[(batch * heads * (length // chunk),)](
         qkv, gate_logits, qkv if bias is None else bias, conv_weight if conv else qkv, history if conv else qkv,
-        q, k, v, token_weights, decays,
-        qkv.stride(0), qkv.stride(1), gate_logits.stride(0), gate_logits.stride(1),
-        history.stride(0) if conv else 0, history.stride(1) if conv else 0, heads, chunks, chunk, dim,
+        *tensors, qkv.stride(0), qkv.stride(1), gate_logits.stride(0), gate_logits.stride(1),
+        history.stride(0) if conv else 0, history.stride(1) if conv else 0, heads, length // chunk, chunk, dim,
         float(max_lr), float(forget_offset), HAS_BIAS=bias is not None, QK_NORM=qk_norm, VALUE_SILU=value_silu,
         MOMENTUM=momentum, FORGET=forget, ROUND=qkv.dtype != torch.float32, TOKEN=gates == "token",
-        TAPS=conv_weight.shape[-1] if conv else 0,
-        BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dim), num_warps=NUM_WARPS)
-    return q, k, v, token_weights, decays
+        TAPS=conv_weight.shape[-1] if conv else 0, BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dim),
+        num_warps=NUM_WARPS)
 
 
 @_op.register_fake
@@ -220,9 +228,14 @@ def _convolved(qkv, weight, history, wide: torch.dtype):
     """The conv as shifted products in `wide` (the backward's recomputation): ([h; qkv] (B, K-1+T, c),
     conved (B, T, c) rounded to qkv's dtype as the layer keeps it, in `wide`)."""
     taps, length = weight.shape[-1], qkv.shape[1]
-    padded = torch.cat([history.to(qkv.dtype), qkv], 1).to(wide)
+    padded = _padded(qkv, history, wide)
     w = weight[:, 0].to(wide)
     return padded, sum(padded[:, j : j + length] * w[:, j] for j in range(taps)).to(qkv.dtype).to(wide)
+
+
+def _padded(qkv, history, wide: torch.dtype) -> torch.Tensor:
+    """[history; qkv] (B, K-1+T, c) in `wide`, the history rounded to qkv's dtype first (as `_convolve`)."""
+    return torch.cat([history.to(qkv.dtype), qkv], 1).to(wide)
 
 
 def _conv_backward(padded, weight, d_conved):
@@ -320,19 +333,11 @@ def _grads_op(qkv: torch.Tensor, gate_logits: torch.Tensor, bias: torch.Tensor |
     if refusal(qkv, gate_logits, heads, chunk, gates, conv_weight, history) is not None:
         return _grads_reference(qkv, gate_logits, bias, conv_weight, history, dq, dk, dv, d_token_weights, d_decays,
                                 *options)
-    d_conved, d_logits = _empty_grads(qkv, gate_logits)
-    batch, length, _ = qkv.shape
-    conv = conv_weight is not None
-    _kernels.chunk_inputs_bwd[(batch * heads * (length // chunk),)](
-        qkv, gate_logits, qkv if bias is None else bias, conv_weight if conv else qkv, history if conv else qkv,
-        *(t.float().contiguous() for t in (dq, dk, dv, d_token_weights, d_decays)), d_conved, d_logits,
-        qkv.stride(0), qkv.stride(1), gate_logits.stride(0), gate_logits.stride(1),
-        history.stride(0) if conv else 0, history.stride(1) if conv else 0, heads, length // chunk, chunk,
-        dq.shape[-1], float(max_lr), float(forget_offset), HAS_BIAS=bias is not None, QK_NORM=qk_norm,
-        VALUE_SILU=value_silu, MOMENTUM=momentum, FORGET=forget, ROUND=qkv.dtype != torch.float32,
-        TOKEN=gates == "token", TAPS=conv_weight.shape[-1] if conv else 0,
-        BC=triton.next_power_of_2(chunk), BD=triton.next_power_of_2(dq.shape[-1]), num_warps=NUM_WARPS)
-    return d_conved, d_logits
+    grads = _empty_grads(qkv, gate_logits)
+    _launch(_kernels.chunk_inputs_bwd, (*(t.float().contiguous() for t in (dq, dk, dv, d_token_weights, d_decays)),
+                                        *grads), qkv, gate_logits, bias, conv_weight, history, *options[:2],
+            dq.shape[-1], *options[2:])
+    return grads
 
 
 def _empty_grads(qkv: torch.Tensor, gate_logits: torch.Tensor):
@@ -358,8 +363,7 @@ def _backward(ctx, dq, dk, dv, d_token_weights, d_decays):
     d_qkv, d_logits = _grads_op(qkv, gate_logits, bias, conv_weight, history, *grads, *ctx.options)
     d_conv_weight = d_history = None
     if conv_weight is not None:
-        padded = torch.cat([history.to(qkv.dtype), qkv], 1).to(d_qkv.dtype)
-        d_qkv, d_conv_weight, d_history = _conv_backward(padded, conv_weight, d_qkv)
+        d_qkv, d_conv_weight, d_history = _conv_backward(_padded(qkv, history, d_qkv.dtype), conv_weight, d_qkv)
         d_history = d_history.to(history.dtype)
     d_bias = None if bias is None else d_logits.sum((0, 1)).to(bias.dtype)
     return (d_qkv.to(qkv.dtype), d_logits.to(gate_logits.dtype), d_bias) + (None,) * 9 + (d_conv_weight, d_history)

@@ -114,35 +114,45 @@ def _log_sigmoid(x):
 
 
 @triton.jit
-def _token_gates(theta, eta_logit, forget_logit, rows, row_ok, C, TW, DECAYS, MOMENTUM: tl.constexpr,
-                 FORGET: tl.constexpr):
-    """The per-token rule's weights and mix of one chunk (kernels/memory_inputs.py): theta (BC,),
-    the eta logits and the forget logits (offset included) over the chunk's rows; stores TW
-    (C, 2) and DECAYS (2, 2). Products of gates from differences of log-space cumulative sums:
-    P[t, i] = exp(E_t - E_i) with E the cumulative log eta, R_t = exp(F_C - F_t) likewise."""
-    log_keep = tl.where(row_ok, _log_sigmoid(-forget_logit), 0.0) if FORGET else tl.zeros_like(theta)
-    cum_keep = tl.cumsum(log_keep, 0)
+def _gate_products(eta_logit, forget_logit, rows, row_ok, C, MOMENTUM: tl.constexpr, FORGET: tl.constexpr):
+    """The per-token rule's gate products over one chunk's rows (kernels/memory_inputs.py), from
+    differences of log-space cumulative sums: R_t = exp(F_C - F_t) (F the cumulative log(1 - alpha)),
+    P[t, i] = exp(E_t - E_i) for t >= i (E the cumulative log eta; the identity without momentum).
+    Returns (R (BC,), F_C, the [t >= i] mask, P (BC, BC), P[t, 0] = exp(E_t), P[C, i], P[C, 0]), 0
+    outside the chunk's rows."""
+    log_keep = tl.where(row_ok, _log_sigmoid(-forget_logit), 0.0) if FORGET else tl.zeros_like(eta_logit)
     total_keep = tl.sum(log_keep, 0)
-    to_end = tl.exp(total_keep - cum_keep)  # R_t, t = 1..C
+    to_end = tl.where(row_ok, tl.exp(total_keep - tl.cumsum(log_keep, 0)), 0.0)
+    lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]  # [t, i]: t >= i
     if MOMENTUM:
         log_eta = tl.where(row_ok, _log_sigmoid(eta_logit), 0.0)
         cum_eta = tl.cumsum(log_eta, 0)
         total_eta = tl.sum(log_eta, 0)
-        lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]  # [t, i]: t >= i
         products = tl.where(lower, tl.exp(tl.where(lower, cum_eta[:, None] - cum_eta[None, :], 0.0)), 0.0)
-        to_token = tl.sum(to_end[:, None] * products, axis=0)  # sum_{t>=i} R_t P[t, i]
-        to_chunk_end = tl.exp(total_eta - cum_eta)  # P[C, i]
-        carried = tl.sum(tl.where(row_ok, to_end * tl.exp(cum_eta), 0.0), axis=0)
+        from_start = tl.where(row_ok, tl.exp(cum_eta), 0.0)
+        to_chunk_end = tl.where(row_ok, tl.exp(total_eta - cum_eta), 0.0)
         momentum_end = tl.exp(total_eta)
-    else:  # eta = 0: P is the identity
-        to_token = to_end
+    else:  # eta = 0
+        products = tl.where(lower & (rows[:, None] == rows[None, :]), 1.0, 0.0)
+        from_start = tl.zeros_like(eta_logit)
         to_chunk_end = tl.where(rows == C - 1, 1.0, 0.0)
-        carried = tl.zeros_like(total_keep)
         momentum_end = tl.zeros_like(total_keep)
+    return to_end, total_keep, lower, products, from_start, to_chunk_end, momentum_end
+
+
+@triton.jit
+def _token_gates(theta, eta_logit, forget_logit, rows, row_ok, C, TW, DECAYS, MOMENTUM: tl.constexpr,
+                 FORGET: tl.constexpr):
+    """The per-token rule's weights and mix of one chunk (kernels/memory_inputs.py): theta (BC,),
+    the eta logits and the forget logits (offset included) over the chunk's rows; stores TW
+    (C, 2) and DECAYS (2, 2)."""
+    to_end, total_keep, _, products, from_start, to_chunk_end, momentum_end = _gate_products(
+        eta_logit, forget_logit, rows, row_ok, C, MOMENTUM, FORGET)
+    to_token = tl.sum(to_end[:, None] * products, axis=0)  # sum_{t>=i} R_t P[t, i]
     tl.store(TW + rows * 2, -2.0 * theta * to_token, mask=row_ok)
     tl.store(TW + rows * 2 + 1, -2.0 * theta * to_chunk_end, mask=row_ok)
     tl.store(DECAYS, tl.exp(total_keep))
-    tl.store(DECAYS + 1, carried)
+    tl.store(DECAYS + 1, tl.sum(to_end * from_start, axis=0))
     tl.store(DECAYS + 2, tl.zeros_like(total_keep))
     tl.store(DECAYS + 3, momentum_end)
 
@@ -194,11 +204,11 @@ def chunk_inputs_bwd(QKV, LOGITS, BIAS, CONV_W, HISTORY, DQ, DK, DV, DTW, DDECAY
     theta_gate = tl.sigmoid(theta_logit)
     chunk_row = (bh * N + n) * C + rows
     if TOKEN:
-        d_theta, d_log_eta, d_log_keep = _token_gates_grad(
-            max_lr * theta_gate, eta_logit, forget_logit, rows, row_ok, C, tl.load(DTW + chunk_row * 2, mask=row_ok,
-                                                                                   other=0.0),
-            tl.load(DTW + chunk_row * 2 + 1, mask=row_ok, other=0.0), DDECAYS + (bh * N + n) * 4, MOMENTUM, FORGET,
-            BC)
+        d_weight = tl.load(DTW + chunk_row * 2, mask=row_ok, other=0.0)
+        d_momentum = tl.load(DTW + chunk_row * 2 + 1, mask=row_ok, other=0.0)
+        d_theta, d_log_eta, d_log_keep = _token_gates_grad(max_lr * theta_gate, eta_logit, forget_logit, rows, row_ok,
+                                                           C, d_weight, d_momentum, DDECAYS + (bh * N + n) * 4,
+                                                           MOMENTUM, FORGET)
         d_eta = d_log_eta * tl.sigmoid(-eta_logit)
         d_alpha = -d_log_keep * tl.sigmoid(forget_logit)
     else:
@@ -235,28 +245,12 @@ def _head_grad(x, grad, SILU: tl.constexpr, NORM: tl.constexpr):
 
 @triton.jit
 def _token_gates_grad(theta, eta_logit, forget_logit, rows, row_ok, C, d_weight, d_momentum, DDECAYS,
-                      MOMENTUM: tl.constexpr, FORGET: tl.constexpr, BC: tl.constexpr):
+                      MOMENTUM: tl.constexpr, FORGET: tl.constexpr):
     """`_token_gates`' backward for one chunk (kernels/memory_inputs.py `_token_gates_backward` states
     the formulas): from the gradients of TW's two columns and of DECAYS (2, 2), (d theta, d log eta,
     d log(1 - alpha)) over the chunk's rows."""
-    log_keep = tl.where(row_ok, _log_sigmoid(-forget_logit), 0.0) if FORGET else tl.zeros_like(theta)
-    cum_keep = tl.cumsum(log_keep, 0)
-    total_keep = tl.sum(log_keep, 0)
-    to_end = tl.where(row_ok, tl.exp(total_keep - cum_keep), 0.0)  # R_t
-    lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]  # [t, i]: t >= i
-    if MOMENTUM:
-        log_eta = tl.where(row_ok, _log_sigmoid(eta_logit), 0.0)
-        cum_eta = tl.cumsum(log_eta, 0)
-        total_eta = tl.sum(log_eta, 0)
-        products = tl.where(lower, tl.exp(tl.where(lower, cum_eta[:, None] - cum_eta[None, :], 0.0)), 0.0)
-        from_start = tl.where(row_ok, tl.exp(cum_eta), 0.0)  # P[t, 0]
-        to_chunk_end = tl.where(row_ok, tl.exp(total_eta - cum_eta), 0.0)  # P[C, i]
-        momentum_end = tl.exp(total_eta)
-    else:
-        products = tl.where(lower & (rows[:, None] == rows[None, :]), 1.0, 0.0)
-        from_start = tl.zeros_like(theta)
-        to_chunk_end = tl.where(rows == C - 1, 1.0, 0.0)
-        momentum_end = tl.zeros_like(total_keep)
+    to_end, total_keep, lower, products, from_start, to_chunk_end, momentum_end = _gate_products(
+        eta_logit, forget_logit, rows, row_ok, C, MOMENTUM, FORGET)
     weighted = to_end[:, None] * products  # [t, i] = R_t P[t, i]
     d_theta = -2.0 * (d_weight * tl.sum(weighted, axis=0) + d_momentum * to_chunk_end)
     q = (-2.0 * theta * d_weight)[None, :] * weighted
